@@ -1,0 +1,82 @@
+"""The attention backend interface: varlen, paged, GQA.
+
+One forward pass runs a packed batch of ``T`` new tokens from ``B`` sequences. Sequence ``b``
+contributes ``q_len_b = query_start_loc[b+1] - query_start_loc[b]`` new tokens, which are the
+last ``q_len_b`` positions of its context of ``seq_lens[b]`` tokens. A decode has ``q_len == 1``;
+a prefill chunk has more, with any number of cached tokens before it (a prefix-cache hit or an
+earlier chunk). Attention is causal among the new tokens and full over the cached prefix.
+
+KV cache, per layer: ``k_cache`` and ``v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of sequence ``b`` lives in block
+``block_tables[b, t // block_size]`` at offset ``t % block_size``; ``slot_mapping[i]`` is the flat
+slot ``block * block_size + offset`` for new token ``i``. Queries have ``num_heads`` heads, a
+multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV head ``h // (num_heads //
+num_kv_heads)``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each new token of the packed batch sits; built once per step, shared by layers."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so CPU backends can plan without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Writes new keys/values into the paged cache and attends over it.
+
+    Backends are stateless apart from what they precompute per step in ``prepare``.
+    """
+
+    name: str = "abstract"
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:  # noqa: B027
+        """Called once per step before the layers run (precompute per-step indices)."""
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        """Store the new tokens' keys and values into their cache slots."""
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention output for every new token, ``[T, num_heads, head_dim]``.
+
+        The new tokens' keys and values must already be in the cache (``write_kv``).
+        """
