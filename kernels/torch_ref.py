@@ -1,0 +1,137 @@
+"""PyTorch attention backend: the CPU path and the oracle the Triton kernels are tested against.
+
+Decodes (one new token each) run as one batched ``scaled_dot_product_attention`` over keys
+gathered through the block tables and padded to the longest context. Prefill chunks run one
+sequence at a time, causal among their new tokens and full over their cached prefix. GQA is
+handled by folding each KV group's query heads into the query-length axis, so no key or value
+is ever repeated per query head.
+
+All per-step indices (gather rows, masks) are built once in ``prepare`` and reused by every
+layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.interface import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class _PrefillPlan:
+    token_start: int
+    token_end: int
+    block_ids: torch.Tensor  # [num_blocks_used] int64
+    context_len: int
+    mask: torch.Tensor | None  # [q_len, context_len] bool, None = plain causal
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    token_rows: torch.Tensor  # [Bd] int64, rows of the packed batch that are decodes
+    block_ids: torch.Tensor  # [Bd, max_blocks] int64
+    context_len: int  # padded context (max_blocks * block_size)
+    mask: torch.Tensor  # [Bd, 1, 1, context_len] bool, True = attend
+    contiguous: bool  # decode rows form one slice [start, end)
+    start: int
+    end: int
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged varlen attention in plain PyTorch (any device, any float dtype)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._decode: _DecodePlan | None = None
+        self._prefills: list[_PrefillPlan] = []
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        device = meta.block_tables.device
+        decode_rows: list[int] = []
+        decode_seqs: list[int] = []
+        self._prefills = []
+        start = 0
+        for b, (q_len, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if q_len == 1:
+                decode_rows.append(start)
+                decode_seqs.append(b)
+            else:
+                num_blocks = -(-ctx // block_size)
+                block_ids = meta.block_tables[b, :num_blocks].long()
+                mask = None
+                if ctx != q_len:  # cached prefix: causal mask offset by the prefix length
+                    q_pos = torch.arange(ctx - q_len, ctx, device=device)
+                    k_pos = torch.arange(ctx, device=device)
+                    mask = k_pos[None, :] <= q_pos[:, None]
+                self._prefills.append(_PrefillPlan(start, start + q_len, block_ids, ctx, mask))
+            start += q_len
+        self._decode = None
+        if decode_rows:
+            lens = [meta.seq_lens_cpu[b] for b in decode_seqs]
+            max_blocks = -(-max(lens) // block_size)
+            seq_index = torch.tensor(decode_seqs, device=device)
+            block_ids = meta.block_tables[seq_index, :max_blocks].long()
+            context_len = max_blocks * block_size
+            lens_t = torch.tensor(lens, device=device)
+            mask = torch.arange(context_len, device=device)[None, :] < lens_t[:, None]
+            contiguous = decode_rows[-1] - decode_rows[0] == len(decode_rows) - 1
+            self._decode = _DecodePlan(
+                torch.tensor(decode_rows, device=device),
+                block_ids,
+                context_len,
+                mask[:, None, None, :],
+                contiguous,
+                decode_rows[0],
+                decode_rows[-1] + 1,
+            )
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+    def attend(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        out = torch.empty_like(query)
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        for plan in self._prefills:
+            q = query[plan.token_start : plan.token_end]  # [q_len, H, D]
+            q_len = q.shape[0]
+            k = k_cache[plan.block_ids].flatten(0, 1)[: plan.context_len]  # [ctx, KVH, D]
+            v = v_cache[plan.block_ids].flatten(0, 1)[: plan.context_len]
+            # Fold the query heads of each KV group into the length axis: [KVH, q_len*G, D].
+            qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+            qg = qg.reshape(num_kv_heads, q_len * group, head_dim)
+            if plan.mask is None:
+                mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
+            else:
+                mask = plan.mask
+            mask = mask.repeat_interleave(group, dim=0)
+            o = F.scaled_dot_product_attention(
+                qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+            )
+            o = o.view(num_kv_heads, q_len, group, head_dim).permute(1, 0, 2, 3)
+            out[plan.token_start : plan.token_end] = o.reshape(q_len, num_heads, head_dim)
+        plan = self._decode
+        if plan is not None:
+            if plan.contiguous:
+                q = query[plan.start : plan.end]
+            else:
+                q = query[plan.token_rows]
+            batch = q.shape[0]
+            # [Bd, max_blocks, block, KVH, D] -> [Bd, KVH, ctx, D]
+            k = k_cache[plan.block_ids].flatten(1, 2).transpose(1, 2)
+            v = v_cache[plan.block_ids].flatten(1, 2).transpose(1, 2)
+            qg = q.view(batch, num_kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
+            o = o.reshape(batch, num_heads, head_dim)
+            if plan.contiguous:
+                out[plan.start : plan.end] = o
+            else:
+                out[plan.token_rows] = o
+        return out

@@ -1,0 +1,171 @@
+"""The paged KV block pool: allocation on demand, ref counts, prefix cache, LRU eviction.
+
+Every block is in exactly one of three states:
+- free: no owner, no hash (in ``_free``),
+- cached: no owner but holds the KV of a known block hash, reusable until evicted
+  least-recently-used (in ``_evictable``, oldest first),
+- in use: referenced by one or more sequences' block tables (``ref_count > 0``), hashed or not.
+
+A block gets its hash once it is full of computed tokens; identical content computed twice keeps
+the first block as the cached copy. Changes to the set of cached hashes are reported through
+``on_stored`` / ``on_removed`` so the replica can mirror them to Redis.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from prefixmesh.hashing import BlockHash
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation cannot be served even after evicting every cached block."""
+
+
+class BlockManager:
+    """Owns the block pool; sequences hold block ids in their block tables."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_stored: Callable[[BlockHash], None] | None = None,
+        on_removed: Callable[[BlockHash], None] | None = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_to_block: dict[BlockHash, int] = {}
+        self._on_stored = on_stored or (lambda h: None)
+        self._on_removed = on_removed or (lambda h: None)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation can take now (free plus evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def cached_hashes(self) -> set[BlockHash]:
+        return set(self._hash_to_block)
+
+    def match_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
+        """Block ids of the longest run of leading ``hashes`` held in the cache."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for h in hashes:
+            block = self._hash_to_block.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_blocks_to_take(self, cached_blocks: list[int]) -> int:
+        """How many of ``cached_blocks`` would leave the evictable pool if referenced now."""
+        return sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+
+    # ------------------------------------------------------------------ changes
+    def reference(self, blocks: list[int]) -> None:
+        """Take a reference on already-held blocks (a prefix-cache hit or a fork)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._evictable[b]
+            self.ref_counts[b] += 1
+
+    def allocate(self) -> int:
+        """A fresh block with one reference, evicting the least recently used cached block."""
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            evicted = self.block_hash[block]
+            assert evicted is not None
+            self.block_hash[block] = None
+            del self._hash_to_block[evicted]
+            self._on_removed(evicted)
+        else:
+            raise NoFreeBlocksError("KV cache is full")
+        self.ref_counts[block] = 1
+        return block
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference on each block; the tail is released first so it is evicted first."""
+        for b in reversed(blocks):
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0, f"block {b} released more often than referenced"
+            if self.ref_counts[b] == 0:
+                if self.block_hash[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def cache_block(self, block: int, block_hash: BlockHash) -> int:
+        """Register a full block under its hash; returns the block that now holds the hash.
+
+        If the hash is already cached in another block (the same prefix computed twice in one
+        step), that block stays the cached copy and ``block`` remains unhashed.
+        """
+        if not self.enable_prefix_caching:
+            return block
+        existing = self._hash_to_block.get(block_hash)
+        if existing is not None:
+            return existing
+        if self.block_hash[block] is not None:
+            return block
+        self.block_hash[block] = block_hash
+        self._hash_to_block[block_hash] = block
+        self._on_stored(block_hash)
+        return block
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unreferenced cached block (returns how many)."""
+        dropped = 0
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            h = self.block_hash[block]
+            assert h is not None
+            self.block_hash[block] = None
+            del self._hash_to_block[h]
+            self._on_removed(h)
+            self._free.append(block)
+            dropped += 1
+        return dropped
+
+    def check_integrity(self, block_tables: Iterable[list[int]]) -> None:
+        """free + cached + in use == total, and ref counts equal block-table references."""
+        expected = [0] * self.num_blocks
+        for table in block_tables:
+            for b in table:
+                expected[b] += 1
+        assert expected == self.ref_counts, "ref counts do not match the block tables"
+        in_use = sum(1 for r in self.ref_counts if r > 0)
+        free, cached = len(self._free), len(self._evictable)
+        assert free + cached + in_use == self.num_blocks, (
+            f"free {free} + cached {cached} + in use {in_use} != total {self.num_blocks}"
+        )
+        assert len(set(self._free)) == free, "a block is on the free list twice"
+        for b in self._free:
+            assert self.ref_counts[b] == 0 and self.block_hash[b] is None
+        for b in self._evictable:
+            assert self.ref_counts[b] == 0 and self.block_hash[b] is not None
+        for h, b in self._hash_to_block.items():
+            assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"
+        hashed = sum(1 for h in self.block_hash if h is not None)
+        assert hashed == len(self._hash_to_block), "a hashed block is missing from the index"

@@ -1,0 +1,319 @@
+"""The replica engine: requests in, one scheduled forward per ``step()``, token deltas out.
+
+``LLM`` (offline) and the gRPC server drive the same ``LLMEngine``. One step: the scheduler
+picks running decodes plus prefill chunks within the token budget, the model runner does one
+forward over the packed batch, the sampler picks tokens, the output processor detokenizes and
+checks stop conditions, and finished sequences free their blocks at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixmesh.hashing import BlockHash
+from prefixmesh.tokenizer import Tokenizer
+from replica.block_manager import BlockManager
+from replica.config import EngineConfig
+from replica.loader import load_model_config, load_state_dict, resolve_model
+from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
+from replica.output_processor import OutputProcessor
+from replica.outputs import StepOutput
+from replica.sampler import Sampler, SamplingRow
+from replica.sampling_params import SamplingParams
+from replica.scheduler import Scheduler
+from replica.sequence import Request, Sequence
+
+KVEventCallback = Callable[[list[BlockHash], list[BlockHash]], None]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for metrics, load reports and the router."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    queued_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def default_dtype(device: str) -> str:
+    # Measured on this project's CPU (AMX / AVX-512 BF16): bfloat16 is several times faster than
+    # float32 end to end (docs/benchmarks.md). float32 stays available for parity tests.
+    return "bfloat16"
+
+
+class LLMEngine:
+    """One model replica's engine. Not thread-safe: one thread owns it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        files = resolve_model(config.model)
+        self.model_id = files.model_id
+        self.model_config = load_model_config(files.path)
+        self.tokenizer = Tokenizer.from_dir(files.path)
+        dtype_name = default_dtype(config.device) if config.dtype == "auto" else config.dtype
+        self.dtype = DTYPES[dtype_name]
+        self.block_size = config.block_size
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            limit = min(limit, mc.sliding_window)  # beyond the window we would need masking
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len must be <= {limit} for this model")
+        self.max_model_len = config.max_model_len or limit
+        num_blocks = config.num_kv_blocks or max(
+            2,
+            int(config.kv_cache_memory_gb * 2**30)
+            // kv_bytes_per_block(mc, self.block_size, self.dtype),
+        )
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        device = torch.device(config.device)
+        self.runner = ModelRunner(
+            mc,
+            load_state_dict(files.path, self.dtype),
+            self.dtype,
+            device,
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            config.attention_backend,
+        )
+        self._stored: list[BlockHash] = []
+        self._removed: list[BlockHash] = []
+        self.block_manager = BlockManager(
+            num_blocks,
+            self.block_size,
+            config.enable_prefix_caching,
+            on_stored=self._stored.append,
+            on_removed=self._removed.append,
+        )
+        self.scheduler = Scheduler(config, self.block_manager, self.model_id)
+        self.sampler = Sampler(seed=config.seed)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self._kv_event_callback: KVEventCallback | None = None
+        self._requests: dict[str, Request] = {}
+        self._pending: list[StepOutput] = []  # aborted requests' final outputs
+        self._seq_ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished_by_reason: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ``ValueError`` naming the bad field."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids must be in [0, {vocab}) (got {bad[0]!r})")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, longer than the model's context "
+                f"(max_model_len={self.max_model_len}, which includes at least one output token)"
+            )
+        need = -(-(len(token_ids) + 1) // self.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt needs {need} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks}; raise num_kv_blocks or shorten the prompt"
+            )
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        request = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            priority=priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt or None,
+        )
+        seq = self._new_sequence(request, 0, list(token_ids), len(token_ids))
+        self._requests[request_id] = request
+        self._prompt_tokens += len(token_ids)
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request: Request, index: int, token_ids: list[int], num_prompt: int
+    ) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request, index, token_ids, num_prompt)
+        seq.state = self.output.new_state(seq)
+        request.sequences.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its final outputs come with the next step."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        aborted = 0
+        for seq in request.sequences:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                self._pending.append(self.output.finish(seq, "abort"))
+                aborted += 1
+        for index in range(len(request.sequences), request.params.n):
+            self._pending.append(self.output.abort_unstarted(request, index))
+            aborted += 1
+        self._count_finished("abort", aborted)
+        self._flush_kv_events()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StepOutput]:
+        """Run one scheduled forward; return the token deltas it produced."""
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_work():
+            return outputs
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        logits, sample_idx = self.runner.execute(sched)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.scheduler.cache_computed_blocks(item.seq)
+
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for j, i in enumerate(sample_idx):
+            seq = sched.scheduled[i].seq
+            request = seq.request
+            if request.params.n > 1 and not request.forked:
+                for child in self._fork(seq):
+                    seqs.append(child)
+                    rows.append(j)
+            seqs.append(seq)
+            rows.append(j)
+        if rows != list(range(len(sample_idx))):
+            logits = logits[torch.tensor(rows)]
+        results = self.sampler.sample(logits, [self._sampling_row(s) for s in seqs])
+        for seq, result in zip(seqs, results):
+            out = self.output.append_token(seq, result.token_id, result.logprobs)
+            self._generation_tokens += 1
+            if out.finished:
+                self.scheduler.finish(seq)
+                self._count_finished(out.finish_reason, 1)
+                if seq.request.finished:
+                    self._requests.pop(seq.request.request_id, None)
+            outputs.append(out)
+        self._flush_kv_events()
+        return outputs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: n - 1 more samples sharing the prompt's blocks (copy on write)."""
+        request = parent.request
+        request.forked = True
+        children = []
+        for index in range(1, request.params.n):
+            child = self._new_sequence(
+                request, index, list(parent.token_ids), parent.num_prompt_tokens
+            )
+            child.block_table = list(parent.block_table)
+            self.block_manager.reference(child.block_table)
+            child.block_hashes = list(parent.block_hashes)
+            child.num_hashed_blocks = parent.num_hashed_blocks
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return self.output.sampling_row(seq)
+
+    def _count_finished(self, reason: str | None, count: int) -> None:
+        if reason and count > 0:
+            self._finished_by_reason[reason] = self._finished_by_reason.get(reason, 0) + count
+
+    # ------------------------------------------------------------------ KV events
+    def set_kv_event_callback(self, callback: KVEventCallback | None) -> None:
+        """``callback(stored, removed)`` gets the block hashes entering and leaving the cache."""
+        self._kv_event_callback = callback
+
+    def _flush_kv_events(self) -> None:
+        if not (self._stored or self._removed):
+            return
+        stored, removed = list(self._stored), list(self._removed)
+        self._stored.clear()
+        self._removed.clear()
+        if self._kv_event_callback is not None:
+            self._kv_event_callback(stored, removed)
+
+    def cached_block_hashes(self) -> set[BlockHash]:
+        return self.block_manager.cached_hashes()
+
+    def reset_prefix_cache(self) -> int:
+        dropped = self.block_manager.reset_prefix_cache()
+        self._flush_kv_events()
+        return dropped
+
+    # ------------------------------------------------------------------ introspection
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the block pool is inconsistent."""
+        tables = [s.block_table for s in self.scheduler.running + self.scheduler.waiting]
+        self.block_manager.check_integrity(tables)
+        for seq in self.scheduler.waiting:
+            assert not seq.block_table, "a waiting sequence holds blocks"
+
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler
+        queued = 0
+        for seq in sched.running + sched.waiting:
+            queued += seq.num_tokens - seq.num_computed_tokens
+            queued += seq.request.params.max_tokens - seq.num_output_tokens
+        bm = self.block_manager
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_usage=bm.usage(),
+            num_blocks=bm.num_blocks,
+            free_blocks=bm.num_free_blocks,
+            cached_blocks=bm.num_cached_blocks,
+            queued_tokens=queued,
+            prefix_cache_queries=sched.stats.prefix_cache_queries,
+            prefix_cache_hits=sched.stats.prefix_cache_hits,
+            preemptions=sched.stats.preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            finished_by_reason=dict(self._finished_by_reason),
+        )

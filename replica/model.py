@@ -1,0 +1,120 @@
+"""Our own Llama-family decoder (SmolLM2, Llama, Qwen2-style q/k/v bias, Mistral) on a paged
+KV cache.
+
+One forward runs a packed batch of new tokens from many sequences (prefill chunks and decodes
+mixed); attention reads and writes the paged cache through an ``AttentionBackend``. Weights use
+Hugging Face's parameter names; q/k/v and gate/up projections are fused at load time so each
+layer does three large matmuls instead of seven small ones (Python overhead per op is what limits
+a small model on a CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.interface import AttentionBackend, AttentionMetadata
+from replica.model_config import ModelConfig, rope_inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Inference-only Llama decoder holding fused weights as plain tensors."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.attention = attention
+        self.dtype = dtype
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        lm_head = weights.pop("lm_head.weight", None)
+        if lm_head is None or c.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = lm_head.to(device=device, dtype=dtype).contiguous()
+        self.norm = take("model.norm.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            qkv_bias = None
+            if c.attention_bias:
+                qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            self.layers.append(
+                {
+                    "input_norm": take(p + "input_layernorm.weight"),
+                    "qkv": qkv,
+                    "qkv_bias": qkv_bias,
+                    "o": take(p + "self_attn.o_proj.weight"),
+                    "post_norm": take(p + "post_attention_layernorm.weight"),
+                    "gate_up": gate_up,
+                    "down": take(p + "mlp.down_proj.weight"),
+                }
+            )
+        # cos/sin tables for every position, computed in float32 as Hugging Face does.
+        inv_freq = rope_inv_freq(c).to(device)
+        freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32, cast back, then scale: Hugging Face's order, bit for bit in fp32.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,  # rows of the packed batch whose next token is sampled
+    ) -> torch.Tensor:
+        """Float32 logits ``[len(logits_indices), vocab]`` after writing the batch's KV."""
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            residual = hidden
+            x = self._rms_norm(hidden, layer["input_norm"])
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = self.attention.attend(q, k_cache, v_cache, meta, self.scale)
+            hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), layer["o"])
+            residual = hidden
+            x = self._rms_norm(hidden, layer["post_norm"])
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer["down"])
+        hidden = self._rms_norm(hidden[logits_indices], self.norm)
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,121 @@
+"""Executes a ``SchedulerOutput``: builds the packed batch, runs the model, returns logits.
+
+Owns the KV cache tensors (per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` for
+keys and for values) and the attention backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import get_backend
+from kernels.interface import AttentionMetadata
+from replica.model import LlamaModel
+from replica.model_config import ModelConfig
+from replica.scheduler import SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Runs one forward per engine step over the packed batch."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        attention_backend: str,
+    ) -> None:
+        self.config = model_config
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.attention = get_backend(attention_backend, str(device))
+        self.model = LlamaModel(
+            model_config, weights, self.attention, dtype, device, max_positions=max_model_len
+        )
+        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model_config.num_layers)
+        ]  # fmt: skip
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Float32 logits for every scheduled sequence that reaches its last token this step,
+        and the indices (into ``sched.scheduled``) of those sequences."""
+        self.copy_blocks(sched.copies)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        sample_idx: list[int] = []
+        for i, item in enumerate(sched.scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:
+                logits_rows.append(len(input_ids) - 1)
+                sample_idx.append(i)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        self.attention.prepare(meta, bs)
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            self.kv_caches,
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        return logits, sample_idx

@@ -1,0 +1,237 @@
+"""The step scheduler: which sequences run this step, and how many new tokens each.
+
+Every step is rebuilt from scratch (continuous batching). Running sequences go first (decodes
+and unfinished prefill chunks), so a long prompt never stalls streams that are already decoding;
+then waiting sequences are admitted while the token budget, ``max_num_seqs`` and the KV pool
+allow. A waiting sequence reuses the longest run of cached leading blocks (never its last token,
+which needs logits). When blocks run out, the lowest-priority, newest running sequence is
+preempted by recompute: its blocks are released (full ones stay cached) and it waits again.
+
+The result is a plain ``SchedulerOutput``; the model runner executes it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from prefixmesh.hashing import extend_block_hashes
+from replica.block_manager import BlockManager
+from replica.config import EngineConfig
+from replica.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: the packed batch in order (decodes first) and KV copies to do first."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of which served from the cache
+    preemptions: int = 0
+
+
+class Scheduler:
+    """FCFS or priority scheduling over a token budget with chunked prefill and preemption."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, model_id: str) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.model_id = model_id
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._last_unplanned = 0  # token budget freed by the last _preempt_for
+
+    def _key(self, seq: Sequence) -> tuple:
+        if self.config.scheduling_policy == "priority":
+            return (seq.priority, seq.arrival_time, seq.seq_id)
+        return (seq.arrival_time, seq.seq_id)
+
+    # ------------------------------------------------------------------ queue changes
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (parallel sampling)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence from the queues and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.bm.release(seq.block_table)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ prefix cache
+    def update_block_hashes(self, seq: Sequence) -> None:
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids, self.block_size, self.model_id,
+            seq.request.cache_salt,
+        )  # fmt: skip
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full of computed tokens in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return
+        self.update_block_hashes(seq)
+        for i in range(seq.num_hashed_blocks, num_full):
+            self.bm.cache_block(seq.block_table[i], seq.block_hashes[i])
+        seq.num_hashed_blocks = num_full
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=self._key)
+        planned: dict[int, ScheduledSeq] = {}  # seq_id -> plan, in batch order
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._reserve(seq, num_new, out):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                planned[seq.seq_id] = ScheduledSeq(seq, num_new)
+                budget -= num_new
+                i += 1
+            # else ``seq`` preempted itself; the next running sequence now sits at index i.
+
+        # Admit waiting sequences only when no running one had to be preempted this step.
+        while self.waiting and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._preempt_for(self.waiting[0], planned, out):
+                    break
+                budget += self._last_unplanned
+                continue
+            if budget <= 0:
+                break
+            seq = self.waiting[0]
+            scheduled = self._admit(seq, budget)
+            if scheduled is None:
+                if not self._preempt_for(seq, planned, out):
+                    break
+                budget += self._last_unplanned
+                continue
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            planned[seq.seq_id] = scheduled
+            budget -= scheduled.num_new_tokens
+
+        plans = list(planned.values())
+        # Decodes first, contiguous: the attention backend batches them in one call.
+        out.scheduled = [p for p in plans if p.num_new_tokens == 1 and not p.seq.is_prefill]
+        out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
+        return out
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """Reserve prefix-cache hits and new blocks for a waiting sequence, if they fit."""
+        bs = self.block_size
+        self.update_block_hashes(seq)
+        cacheable = (seq.num_tokens - 1) // bs  # never the last token: it needs logits
+        cached = self.bm.match_prefix(seq.block_hashes[:cacheable])
+        num_computed = len(cached) * bs
+        num_new = seq.num_tokens - num_computed
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        needed = -(-(num_computed + num_new) // bs) - len(cached)
+        if self.bm.num_free_blocks - self.bm.num_blocks_to_take(cached) < needed:
+            return None
+        self.bm.reference(cached)
+        seq.block_table = list(cached)
+        seq.num_hashed_blocks = len(cached)
+        seq.block_table.extend(self.bm.allocate() for _ in range(needed))
+        seq.num_computed_tokens = num_computed
+        self.stats.prefix_cache_queries += seq.num_tokens
+        self.stats.prefix_cache_hits += num_computed
+        if seq.request.num_cached_tokens < 0:
+            seq.request.num_cached_tokens = num_computed
+        return ScheduledSeq(seq, num_new)
+
+    def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Make ``seq``'s block table cover its next ``num_new`` tokens (copy-on-write too)."""
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        needed = -(-(seq.num_computed_tokens + num_new) // bs) - len(seq.block_table)
+        shared_tail = first < len(seq.block_table) and self.bm.ref_counts[seq.block_table[first]] > 1
+        if self.bm.num_free_blocks < needed + int(shared_tail):
+            return False
+        if shared_tail:
+            # Samples forked from one prompt share its last partial block; the first to write
+            # into it gets its own copy.
+            src = seq.block_table[first]
+            dst = self.bm.allocate()
+            self.bm.release([src])
+            seq.block_table[first] = dst
+            out.copies.append((src, dst))
+        seq.block_table.extend(self.bm.allocate() for _ in range(max(needed, 0)))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt by recompute: free the blocks (full ones stay cached) and wait again."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        self.stats.preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def _preempt_for(
+        self, seq: Sequence, planned: dict[int, ScheduledSeq], out: SchedulerOutput
+    ) -> bool:
+        """Priority policy: make room for ``seq`` by preempting a lower-priority running one.
+
+        The victim may already be planned for this step (no forward has run yet): its plan is
+        dropped and its token budget returned through ``_last_unplanned``.
+        """
+        self._last_unplanned = 0
+        if self.config.scheduling_policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self._key)
+        if self._key(victim) <= self._key(seq):
+            return False
+        plan = planned.pop(victim.seq_id, None)
+        if plan is not None:
+            self._last_unplanned = plan.num_new_tokens
+            mine = set(victim.block_table)
+            out.copies = [(src, dst) for src, dst in out.copies if dst not in mine]
+        self._preempt(victim, out)
+        out.preempted.remove(victim)  # a planned priority swap, not a shortage of blocks
+        return True
