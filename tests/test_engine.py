@@ -1,0 +1,252 @@
+"""Engine correctness on the tiny random Llama: parity with Hugging Face, and batching, prefix
+caching, chunking, preemption and parallel sampling never changing greedy output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from replica import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def random_prompts(n: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 400) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    out = hf_model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_llm(tiny_model_dir, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("num_kv_blocks", 256)
+    return LLM(str(tiny_model_dir), **kwargs)
+
+
+def run_greedy(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outputs = llm.generate(prompts, params)
+    llm.engine.check_integrity()
+    return [o.token_ids for o in outputs]
+
+
+def test_batch_matches_hugging_face(tiny_model_dir, hf_model):
+    prompts = random_prompts(8, (1, 300))
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=4096)
+    ours = run_greedy(llm, prompts)
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+
+
+def test_late_arrivals_join_and_match_solo_runs(tiny_model_dir):
+    prompts = random_prompts(6, (5, 120), seed=1)
+    llm = make_llm(tiny_model_dir)
+    solo = [run_greedy(llm, [p])[0] for p in prompts]
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"early{i}", prompts[i], GREEDY)
+    got: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 3:  # the rest arrive while the first ones are decoding
+            for i in range(3, 6):
+                engine.add_request(f"late{i}", prompts[i], GREEDY)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    engine.check_integrity()
+    assert engine.get_stats().running == 0
+    for i in range(6):
+        assert got[f"early{i}" if i < 3 else f"late{i}"] == solo[i]
+
+
+def test_prefix_caching_on_and_off_agree_and_reports_hits(tiny_model_dir):
+    rng = random.Random(2)
+    shared = [rng.randrange(5, 400) for _ in range(100)]
+    prompts = [shared + [rng.randrange(5, 400) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    with_cache = make_llm(tiny_model_dir)
+    first = with_cache.generate(prompts[:1], GREEDY)[0]
+    rest = with_cache.generate(prompts[1:], GREEDY)
+    without = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    assert [first.token_ids] + [o.token_ids for o in rest] == run_greedy(without, prompts)
+    assert first.num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 96 for o in rest)  # 6 full blocks of the shared 100
+    stats = with_cache.engine.get_stats()
+    assert stats.prefix_cache_hits == 5 * 96
+    assert without.engine.get_stats().prefix_cache_hits == 0
+
+
+def test_identical_prompt_never_reuses_its_last_token(tiny_model_dir):
+    prompt = random_prompts(1, (64, 64), seed=3)[0]  # exactly 4 blocks
+    llm = make_llm(tiny_model_dir)
+    a = llm.generate([prompt], GREEDY)[0]
+    b = llm.generate([prompt], GREEDY)[0]
+    assert a.token_ids == b.token_ids
+    assert b.num_cached_tokens == 48  # the last block holds the last token: recomputed
+
+
+def test_chunked_prefill_matches_unchunked(tiny_model_dir):
+    prompts = random_prompts(4, (150, 300), seed=4)
+    whole = run_greedy(make_llm(tiny_model_dir, max_num_batched_tokens=4096), prompts)
+    chunked = make_llm(tiny_model_dir, max_num_batched_tokens=32)
+    assert run_greedy(chunked, prompts) == whole
+
+
+def test_preemption_under_memory_pressure_completes_everything(tiny_model_dir):
+    prompts = random_prompts(8, (20, 60), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = run_greedy(make_llm(tiny_model_dir), prompts, params)
+    tight = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=128)
+    assert run_greedy(tight, prompts, params) == roomy
+    stats = tight.engine.get_stats()
+    assert stats.preemptions > 0
+    assert stats.free_blocks == stats.num_blocks  # nothing leaked
+    assert stats.finished_by_reason == {"length": 8}
+
+
+def test_priority_scheduling_serves_lower_value_first(tiny_model_dir):
+    llm = make_llm(tiny_model_dir, scheduling_policy="priority", max_num_seqs=1)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("low", [5, 6, 7], params, priority=5)
+    engine.step()  # "low" is running
+    engine.add_request("high", [8, 9, 10], params, priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
+    assert engine.get_stats().preemptions == 1
+    engine.check_integrity()
+
+
+def test_parallel_samples_share_prompt_blocks_and_copy_on_write(tiny_model_dir):
+    prompt = random_prompts(1, (40, 40), seed=6)[0]  # 2 full blocks + 8 tokens
+    llm = make_llm(tiny_model_dir)
+    engine = llm.engine
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    engine.step()  # prefill, fork, first token of each sample
+    seqs = engine._requests["r"].sequences
+    assert len(seqs) == 3
+    assert seqs[0].block_table[:2] == seqs[1].block_table[:2] == seqs[2].block_table[:2]
+    engine.step()  # each sample writes into the shared partial block: copy on write
+    tails = {s.block_table[2] for s in seqs}
+    assert len(tails) == 3
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    # Seeded samples are reproducible and differ from one another.
+    out1 = llm.generate([prompt], params)[0]
+    out2 = llm.generate([prompt], params)[0]
+    assert [o.token_ids for o in out1.outputs] == [o.token_ids for o in out2.outputs]
+    assert len({tuple(o.token_ids) for o in out1.outputs}) == 3
+
+
+def test_seeded_request_is_independent_of_batch_mates(tiny_model_dir):
+    prompts = random_prompts(5, (10, 50), seed=8)
+    llm = make_llm(tiny_model_dir)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompts[0]], seeded)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = llm.generate(prompts, [seeded] + [others] * 4)
+    assert batch[0].token_ids == alone
+
+
+def test_cache_salt_isolates_tenants(tiny_model_dir):
+    prompt = random_prompts(1, (80, 80), seed=9)[0]
+    llm = make_llm(tiny_model_dir)
+    engine = llm.engine
+    for rid, salt in (("a", "tenant-a"), ("b", "tenant-b"), ("a2", "tenant-a")):
+        engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+        cached = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                cached = out.num_cached_tokens
+        assert cached == (64 if rid == "a2" else 0)
+
+
+def test_abort_frees_blocks_at_once(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    engine = llm.engine
+    engine.add_request("x", random_prompts(1, (50, 50))[0], SamplingParams(max_tokens=100))
+    engine.step()
+    engine.step()
+    assert engine.get_stats().free_blocks < engine.get_stats().num_blocks
+    engine.abort_request("x")
+    engine.check_integrity()
+    assert engine.get_stats().free_blocks == engine.get_stats().num_blocks
+    final = engine.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in final] == [("x", True, "abort")]
+    assert not engine.has_unfinished_requests()
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    prompt = random_prompts(1, (20, 20), seed=10)[0]
+    free = llm.generate([prompt], GREEDY)[0].token_ids
+    stop_id = free[5]
+    first = free.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))
+    assert out[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop_id
+    assert out[0].token_ids == free[: first + 1]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id], min_tokens=10),
+    )
+    assert len(out[0].token_ids) >= 10 and stop_id not in out[0].token_ids[:10]
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0].finish_reason in (
+        "length",
+        "stop",
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([10**6], SamplingParams(), "prompt_token_ids"),
+        ([1] * 5000, SamplingParams(), "max_model_len"),
+    ],
+)
+def test_bad_requests_name_the_field(tiny_model_dir, prompt, params, field):
+    llm = make_llm(tiny_model_dir)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt] if prompt != [] else [[]], params)
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
