@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny random Llama (fast tier), the real SmolLM2 (slow tier), and Redis."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Tests import the repo's packages (replica, router, ...) and tests/helpers.py directly.
+ROOT = Path(__file__).resolve().parent.parent
+for p in (str(ROOT), str(ROOT / "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from helpers import make_tiny_model_dir, start_redis  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama HF folder (2 layers, GQA 4/2 heads, ~500-token BPE vocab)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_files(tiny_model_dir: Path):
+    from replica.loader import resolve_model
+
+    return resolve_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def smollm2_files():
+    """The real SmolLM2-135M-Instruct (downloaded and converted once into the user cache)."""
+    from replica.loader import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture
+def redis_server() -> Iterator[str]:
+    """A real redis-server on a free loopback port; yields its URL."""
+    handle = start_redis()
+    try:
+        yield handle.url
+    finally:
+        handle.stop()

@@ -1,0 +1,93 @@
+"""Block pool unit tests: exact block ids, ref counts, LRU eviction order and KV events."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixmesh.hashing import block_hashes, root_hash
+from replica.block_manager import BlockManager, NoFreeBlocksError
+
+
+def make(num_blocks: int = 4):
+    stored, removed = [], []
+    bm = BlockManager(num_blocks, 4, True, on_stored=stored.append, on_removed=removed.append)
+    return bm, stored, removed
+
+
+def test_allocates_lowest_ids_first_and_frees_tail_first():
+    bm, _, _ = make()
+    table = [bm.allocate() for _ in range(3)]
+    assert table == [0, 1, 2]
+    bm.check_integrity([table])
+    bm.release(table)
+    bm.check_integrity([])
+    assert bm.num_free_blocks == 4
+    # Released in reverse: the tail block comes back first.
+    assert [bm.allocate() for _ in range(3)] == [2, 1, 0]
+
+
+def test_cached_blocks_are_reused_then_evicted_least_recently_used():
+    bm, stored, removed = make(num_blocks=3)
+    hashes = block_hashes(list(range(12)), 4, "m")
+    table = [bm.allocate() for _ in range(3)]
+    for block, h in zip(table, hashes):
+        bm.cache_block(block, h)
+    assert stored == hashes
+    bm.release(table)  # all three stay cached, tail first into the LRU
+    bm.check_integrity([])
+    assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 3
+    assert bm.match_prefix(hashes) == [0, 1, 2]
+    hit = bm.match_prefix(hashes[:2])
+    bm.reference(hit)
+    assert bm.ref_counts[:3] == [1, 1, 0]
+    # The only evictable block is 2: a new allocation evicts it and reports its hash.
+    assert bm.allocate() == 2
+    assert removed == [hashes[2]]
+    assert bm.match_prefix(hashes) == [0, 1]
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate()
+    bm.check_integrity([[0, 1, 2]])
+
+
+def test_duplicate_content_keeps_the_first_cached_copy():
+    bm, stored, _ = make()
+    h = block_hashes([1, 2, 3, 4], 4, "m")[0]
+    a, b = bm.allocate(), bm.allocate()
+    assert bm.cache_block(a, h) == a
+    assert bm.cache_block(b, h) == a
+    assert stored == [h]
+    bm.release([a, b])
+    assert bm.num_cached_blocks == 1
+    bm.check_integrity([])
+
+
+def test_reset_prefix_cache_reports_removals():
+    bm, _, removed = make()
+    hashes = block_hashes(list(range(8)), 4, "m")
+    table = [bm.allocate(), bm.allocate()]
+    for block, h in zip(table, hashes):
+        bm.cache_block(block, h)
+    bm.release(table)
+    assert bm.reset_prefix_cache() == 2
+    assert sorted(removed) == sorted(hashes)
+    assert bm.num_cached_blocks == 0
+    bm.check_integrity([])
+
+
+def test_integrity_check_catches_a_leak():
+    bm, _, _ = make()
+    bm.allocate()
+    with pytest.raises(AssertionError):
+        bm.check_integrity([])
+
+
+def test_hash_chain_covers_model_salt_and_previous_blocks():
+    tokens = list(range(32))
+    base = block_hashes(tokens, 16, "m")
+    assert block_hashes(tokens, 16, "m") == base
+    assert block_hashes(tokens, 16, "other")[0] != base[0]
+    assert block_hashes(tokens, 16, "m", cache_salt="t")[0] != base[0]
+    changed = block_hashes([99] + tokens[1:], 16, "m")
+    assert changed[0] != base[0] and changed[1] != base[1]  # chained: block 1 changes too
+    assert root_hash("m") != root_hash("m", "t")
+    assert len(block_hashes(tokens[:31], 16, "m")) == 1  # only full blocks
