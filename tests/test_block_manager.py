@@ -14,7 +14,7 @@ def make(num_blocks: int = 4):
     return bm, stored, removed
 
 
-def test_allocates_lowest_ids_first_and_frees_tail_first():
+def test_allocates_lowest_ids_first_and_reuses_freed_blocks():
     bm, _, _ = make()
     table = [bm.allocate() for _ in range(3)]
     assert table == [0, 1, 2]
@@ -22,8 +22,8 @@ def test_allocates_lowest_ids_first_and_frees_tail_first():
     bm.release(table)
     bm.check_integrity([])
     assert bm.num_free_blocks == 4
-    # Released in reverse: the tail block comes back first.
-    assert [bm.allocate() for _ in range(3)] == [2, 1, 0]
+    # The free list is a stack: the most recently freed blocks (warm in CPU caches) come back.
+    assert [bm.allocate() for _ in range(4)] == [0, 1, 2, 3]
 
 
 def test_cached_blocks_are_reused_then_evicted_least_recently_used():
