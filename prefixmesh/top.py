@@ -1,0 +1,201 @@
+"""``prefixmesh top``: a live terminal view of every replica's hit rate and load.
+
+Each refresh reads the router's ``Cluster.ListReplicas`` and, unless ``--no-replica-stats``,
+each replica's ``Replica.GetStats`` (engine-side hit rate, generated tokens). Rates (tokens/s)
+are deltas between two refreshes, so the first frame shows ``-`` for them. ``--once`` prints
+one frame and exits (scripts and tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+
+DEFAULT_ROUTER = "127.0.0.1:50050"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One refresh: the router's view plus each replica's own stats (where reachable)."""
+
+    at: float
+    state: pb.ClusterState
+    stats: dict[str, pb.ReplicaStats] = field(default_factory=dict)  # by replica_id
+
+
+class Poller:
+    """Keeps one channel to the router and one per replica address across refreshes."""
+
+    def __init__(self, router: str, replica_stats: bool = True, timeout_s: float = 2.0) -> None:
+        self.router = router
+        self.replica_stats = replica_stats
+        self.timeout_s = timeout_s
+        self._router_channel = grpc.insecure_channel(router)
+        self._cluster = pb_grpc.ClusterStub(self._router_channel)
+        self._replicas: dict[str, tuple[grpc.Channel, pb_grpc.ReplicaStub]] = {}
+
+    def poll(self) -> Snapshot:
+        state = self._cluster.ListReplicas(pb.Empty(), timeout=self.timeout_s)
+        snap = Snapshot(at=time.monotonic(), state=state)
+        if self.replica_stats:
+            for info in state.replicas:
+                stats = self._replica_stats(info.address)
+                if stats is not None:
+                    snap.stats[info.replica_id] = stats
+        return snap
+
+    def _replica_stats(self, address: str) -> pb.ReplicaStats | None:
+        if not address:
+            return None
+        if address not in self._replicas:
+            channel = grpc.insecure_channel(address)
+            self._replicas[address] = (channel, pb_grpc.ReplicaStub(channel))
+        try:
+            return self._replicas[address][1].GetStats(pb.Empty(), timeout=self.timeout_s)
+        except grpc.RpcError:
+            return None  # an unreachable replica still shows the router's view of it
+
+    def close(self) -> None:
+        self._router_channel.close()
+        for channel, _ in self._replicas.values():
+            channel.close()
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def _rate(cur: Snapshot, prev: Snapshot | None, replica_id: str) -> str:
+    """Generated tokens/s between two refreshes (``-`` without two samples)."""
+    if prev is None or replica_id not in cur.stats or replica_id not in prev.stats:
+        return "-"
+    dt = cur.at - prev.at
+    now, before = cur.stats[replica_id], prev.stats[replica_id]
+    if dt <= 0 or now.epoch != before.epoch:  # a restarted replica's counters began again
+        return "-"
+    return f"{(now.generation_tokens - before.generation_tokens) / dt:.1f}"
+
+
+def _hit_bar(rate: float, width: int = 10) -> Text:
+    filled = round(rate * width)
+    color = "green" if rate >= 0.5 else "yellow" if rate >= 0.2 else "red"
+    return Text("█" * filled + "·" * (width - filled), style=color)
+
+
+def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
+    """One frame: a header line, the per-replica table, and the routing decisions."""
+    s = cur.state
+    r = s.routing
+    redis = Text("redis ok", style="green") if s.redis_connected else Text("redis DOWN", "red")
+    header = Text.assemble(
+        ("prefixmesh top", "bold"), f"  router {s.router_id or '?'}  policy {s.policy}  ",
+        redis, f"  replicas {len(s.replicas)}  requests {r.requests}  ",
+        ("cluster hit rate ", ""), (_pct(r.hit_rate).strip(), "bold"),
+        f"  ({r.actual_cached_tokens}/{r.prompt_tokens} prompt tokens cached)",
+    )  # fmt: skip
+    table = Table(expand=False, header_style="bold")
+    for col, justify in (
+        ("replica", "left"), ("address", "left"), ("hit rate", "right"), ("", "left"),
+        ("engine hit", "right"), ("requests", "right"), ("running", "right"),
+        ("waiting", "right"), ("KV use", "right"), ("cached blocks", "right"),
+        ("gen tok/s", "right"),
+    ):  # fmt: skip
+        table.add_column(col, justify=justify, no_wrap=True)
+    for info in sorted(s.replicas, key=lambda i: i.replica_id):
+        stats = cur.stats.get(info.replica_id)
+        engine_hit = "-"
+        if stats is not None and stats.prefix_cache_queries:
+            engine_hit = _pct(stats.prefix_cache_hits / stats.prefix_cache_queries)
+        load = info.load
+        # The replica's own count is exact; the router's is what Redis holds (may lag).
+        blocks = stats.cached_blocks if stats is not None else info.cached_blocks
+        table.add_row(
+            info.replica_id, info.address, _pct(info.hit_rate), _hit_bar(info.hit_rate),
+            engine_hit, str(info.requests), str(load.running), str(load.waiting),
+            _pct(load.kv_usage), str(blocks), _rate(cur, prev, info.replica_id),
+        )  # fmt: skip
+    if not s.replicas:
+        table.add_row("(no live replicas)", *[""] * 10)
+    decisions = "  ".join(f"{k} {v}" for k, v in sorted(r.decisions.items())) or "none yet"
+    routing = Text(
+        f"routing: {decisions}   retries {r.retries}  failovers {r.failovers}  "
+        f"errors {r.errors}   predicted cached {r.predicted_cached_tokens} / actual "
+        f"{r.actual_cached_tokens} tokens"
+    )
+    return Group(header, table, routing)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixmesh top",
+        description="Live view of every replica behind a prefixmesh router: prefix hit rate, "
+        "running and waiting requests, KV cache use, tokens/s and routing decisions.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--router",
+        default=os.environ.get("PREFIXMESH_ROUTER", DEFAULT_ROUTER),
+        help="router address host:port [env PREFIXMESH_ROUTER]",
+    )
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit")
+    parser.add_argument(
+        "--replica-stats",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also ask each replica for its own stats (engine hit rate, tok/s)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    poller = Poller(args.router, replica_stats=args.replica_stats)
+    # A pipe gets a wide fixed console, so one frame is one table, not a wrapped one.
+    console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
+    try:
+        if args.once:
+            console.print(render(poller.poll()))
+            return 0
+        prev: Snapshot | None = None
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                try:
+                    cur = poller.poll()
+                    live.update(render(cur, prev), refresh=True)
+                    prev = cur
+                except grpc.RpcError as err:
+                    live.update(
+                        Text(
+                            f"router {args.router}: {err.code().name} {err.details()} (retrying)",
+                            style="red",
+                        ),
+                        refresh=True,
+                    )
+                time.sleep(args.interval)
+    except grpc.RpcError as err:
+        print(
+            f"prefixmesh top: router {args.router}: {err.code().name}: {err.details()}",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        poller.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""`prefixmesh up` end to end: the README's first command, then `generate` and `top` against it.
+
+Runs the CLI exactly as a user does (subprocesses), then SIGTERMs `up` and checks that it exits
+cleanly and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import free_port
+
+from prefixmesh.procs import LogSink, ProcessSpec, Supervisor, wait_serving
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "prefixmesh.cli"]
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc, so no psutil needed)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its exit status is left
+
+
+def _wait_listed(address: str, n: int, timeout_s: float) -> list[str]:
+    deadline, ids = time.monotonic() + timeout_s, []
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.ClusterStub(channel)
+        while time.monotonic() < deadline:
+            state = stub.ListReplicas(pb.Empty(), timeout=5)
+            ids = sorted(r.replica_id for r in state.replicas)
+            if len(ids) >= n:
+                break
+            time.sleep(0.2)
+    return ids
+
+
+def _restart_replica_1(up: subprocess.Popen[bytes], log_path: Path, router: str) -> None:
+    """SIGKILL replica-1: `up --restart` must report it and bring it back under the same id."""
+    with grpc.insecure_channel(router) as channel:
+        before = {
+            r.replica_id: r.epoch
+            for r in pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty(), timeout=5).replicas
+        }
+    pid = int(re.search(r"started replica-1 \(pid (\d+)\)", log_path.read_text())[1])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and up.poll() is None:
+        text = log_path.read_text(errors="replace")
+        if f"replica-1 (pid {pid}) killed by SIGKILL" in text and "restarting replica-1" in text:
+            with grpc.insecure_channel(router) as channel:
+                state = pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty(), timeout=5)
+            epochs = {r.replica_id: r.epoch for r in state.replicas}
+            if epochs.get("replica-1", before["replica-1"]) != before["replica-1"]:
+                return
+        time.sleep(0.3)
+    raise AssertionError("replica-1 was not restarted:\n" + log_path.read_text()[-3000:])
+
+
+def run_up_generate_top(
+    model: str, tmp_path: Path, max_tokens: int, kill_and_restart: bool = False
+) -> None:
+    port = free_port()
+    router = f"127.0.0.1:{port}"
+    log_path = tmp_path / "up.log"
+    children: set[int] = set()
+    with log_path.open("wb") as log:
+        up = subprocess.Popen(
+            [*CLI, "up", "--replicas", "2", "--model", model, "--port", str(port),
+             "--grace-period", "20", *(["--restart"] if kill_and_restart else [])],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        wait_serving(router, timeout_s=300, alive=lambda: up.poll() is None)
+        assert _wait_listed(router, 2, timeout_s=30) == ["replica-0", "replica-1"]
+
+        gen = subprocess.run(
+            [*CLI, "generate", "--router", router, "--max-tokens", str(max_tokens),
+             "--temperature", "0", "--ignore-eos", "hello"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert gen.returncode == 0, gen.stderr
+        assert gen.stdout.strip(), "no text streamed"
+        assert "replica replica-" in gen.stderr, gen.stderr
+        assert f"{max_tokens} tokens (length)" in gen.stderr, gen.stderr
+
+        top = subprocess.run(
+            [*CLI, "top", "--router", router, "--once"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert top.returncode == 0, top.stderr
+        rows = [line for line in top.stdout.splitlines() if "replica-" in line]
+        assert len(rows) == 2 and all("%" in row for row in rows), top.stdout
+
+        if kill_and_restart:
+            _restart_replica_1(up, log_path, router)
+        children = _descendants(up.pid)
+        assert len(children) >= 4, children  # redis, 2 replicas, router
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+        try:
+            code = up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            code = up.wait()
+    output = log_path.read_text(errors="replace")
+    assert code == 0, output[-3000:]
+    assert "had to SIGKILL" not in output, output[-3000:]
+    assert "prefixmesh is up: router" in output
+    gone_by = time.monotonic() + 10
+    while any(_running(pid) for pid in children) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _running(pid)], output[-3000:]
+
+
+@pytest.mark.cluster
+def test_up_generate_top_shutdown(tiny_model_dir: Path, tmp_path: Path) -> None:
+    run_up_generate_top(str(tiny_model_dir), tmp_path, max_tokens=8, kill_and_restart=True)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_up_smollm2_readme_command(tmp_path: Path) -> None:
+    """The README's command on the real model (default --model smollm2)."""
+    run_up_generate_top("smollm2", tmp_path, max_tokens=16)
+
+
+def test_supervisor_prefixes_logs_and_kills_only_stubborn_children() -> None:
+    out = io.StringIO()
+    sup = Supervisor(LogSink(out=out), grace_s=1.0)
+    wait = "import signal, time; {}; print('ready', flush=True); time.sleep(60)"
+    polite = sup.start(ProcessSpec("polite", [sys.executable, "-c", wait.format("pass")]))
+    stubborn = sup.start(
+        ProcessSpec(
+            "stubborn",
+            [sys.executable, "-c", wait.format("signal.signal(signal.SIGTERM, signal.SIG_IGN)")],
+        )
+    )
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("| ready") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "polite     | ready" in out.getvalue() and "stubborn   | ready" in out.getvalue()
+    assert sup.shutdown() == ["stubborn"]
+    assert not polite.alive() and polite.proc.returncode == -signal.SIGTERM
+    assert not stubborn.alive() and stubborn.proc.returncode == -signal.SIGKILL
