@@ -187,6 +187,26 @@ class ReplicaStats(_message.Message):
     cached_blocks: int
     def __init__(self, load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., epoch: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
+class CacheState(_message.Message):
+    __slots__ = ("replica_id", "block_hashes", "integrity_ok", "integrity_error", "num_blocks", "free_blocks", "used_blocks", "inflight_requests")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    integrity_ok: bool
+    integrity_error: str
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    inflight_requests: int
+    def __init__(self, replica_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
     __slots__ = ("model", "block_size", "hash_scheme", "max_model_len", "tokenizer_json", "tokenizer_config_json", "replica_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]

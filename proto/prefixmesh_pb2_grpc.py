@@ -139,6 +139,11 @@ class ReplicaStub:
                 request_serializer=proto_dot_prefixmesh__pb2.Empty.SerializeToString,
                 response_deserializer=proto_dot_prefixmesh__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetCacheState = channel.unary_unary(
+                '/prefixmesh.v1.Replica/GetCacheState',
+                request_serializer=proto_dot_prefixmesh__pb2.Empty.SerializeToString,
+                response_deserializer=proto_dot_prefixmesh__pb2.CacheState.FromString,
+                _registered_method=True)
 
 
 class ReplicaServicer:
@@ -167,6 +172,14 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCacheState(self, request, context):
+        """The engine's exact prefix-cache contents and its block accounting check (tests, debugging:
+        compare with what Redis holds for this replica).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +197,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=proto_dot_prefixmesh__pb2.Empty.FromString,
                     response_serializer=proto_dot_prefixmesh__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetCacheState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCacheState,
+                    request_deserializer=proto_dot_prefixmesh__pb2.Empty.FromString,
+                    response_serializer=proto_dot_prefixmesh__pb2.CacheState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +289,33 @@ class Replica:
             '/prefixmesh.v1.Replica/GetModelInfo',
             proto_dot_prefixmesh__pb2.Empty.SerializeToString,
             proto_dot_prefixmesh__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCacheState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixmesh.v1.Replica/GetCacheState',
+            proto_dot_prefixmesh__pb2.Empty.SerializeToString,
+            proto_dot_prefixmesh__pb2.CacheState.FromString,
             options,
             channel_credentials,
             insecure,

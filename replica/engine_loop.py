@@ -1,0 +1,252 @@
+"""The thread that owns the engine, and its bridge to the asyncio event loop.
+
+The engine is not thread-safe and ``step()`` is long (a model forward), so one thread owns it:
+it applies commands (add, abort, calls) between steps, steps while there is work, and sleeps
+on a wakeup event when idle. Each step's outputs go back to the event loop in one
+``call_soon_threadsafe`` and land in per-request ``asyncio.Queue``s, so the event loop never
+waits on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from replica.outputs import StepOutput
+from replica.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised inside ``step()``; every in-flight request gets this."""
+
+
+@dataclass(slots=True)
+class IntegrityReport:
+    """The engine's block accounting check, run each time it goes idle."""
+
+    ok: bool = True
+    error: str = ""
+    checked_at: float = 0.0
+    checks: int = 0
+
+
+@dataclass(slots=True)
+class _Command:
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future[Any] | None = None
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """The event-loop side of one request: its outputs, and when it was first scheduled."""
+
+    request_id: str
+    queue: asyncio.Queue[StepOutput | BaseException] = field(default_factory=asyncio.Queue)
+    # Set (monotonic seconds) on the engine thread after the first step that includes it.
+    scheduled_at: float | None = None
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on its own thread and streams outputs to asyncio queues.
+
+    ``submit`` and ``call`` are awaited on the event loop; ``abort`` may be called from
+    anywhere and returns at once. ``stats`` is the engine's latest ``EngineStats`` (refreshed
+    after every step and when idle), ``integrity`` the latest idle-time integrity check.
+    """
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._handles: dict[str, RequestHandle] = {}  # touched on the event loop only
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._unscheduled: set[str] = set()  # engine thread only: added, not yet given compute
+        self.stats: Any = engine.get_stats()
+        self.integrity = IntegrityReport()
+        self.steps = 0
+
+    # -- event-loop side ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestHandle:
+        """Add a request to the engine; raises the engine's ``ValueError`` on bad input."""
+        handle = RequestHandle(request_id)
+        self._handles[request_id] = handle
+
+        def add(engine: Any) -> None:
+            engine.add_request(
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                cache_salt=cache_salt or None,
+                arrival_time=arrival_time,
+            )
+            self._unscheduled.add(request_id)
+
+        try:
+            await self.call(add)
+        except BaseException:
+            self._handles.pop(request_id, None)
+            # Cancelled while the add was queued: it may still run, so abort right behind it
+            # (commands run in order; aborting an unknown id is a no-op).
+            self.abort(request_id)
+            raise
+        return handle
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's queue (outputs still arriving for it are dropped)."""
+        self._handles.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: the engine frees its blocks before its next step."""
+        self._post(_Command(lambda engine: _abort(engine, request_id)))
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._post(_Command(fn, future))
+        return await asyncio.wrap_future(future, loop=self._loop)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step (in-flight requests are left as they are)."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._handles)
+
+    def _post(self, command: _Command) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    def _deliver(self, outputs: list[StepOutput], scheduled: list[str], at: float) -> None:
+        for request_id in scheduled:
+            handle = self._handles.get(request_id)
+            if handle is not None and handle.scheduled_at is None:
+                handle.scheduled_at = at
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is not None:
+                handle.queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for handle in self._handles.values():
+            handle.queue.put_nowait(error)
+
+    # -- engine-thread side ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        busy = False
+        while not self._stopping:
+            try:
+                self._apply_commands()
+                if self.engine.has_unfinished_requests():
+                    busy = True
+                    self._step()
+                    continue
+                if busy:
+                    busy = False
+                    self._check_integrity()
+                self.stats = self.engine.get_stats()
+            except Exception as exc:  # the thread must outlive any engine bug
+                log.exception("engine loop error; failing every in-flight request")
+                self._recover(exc)
+                continue
+            self._wakeup.wait()
+            self._wakeup.clear()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            try:
+                result = command.fn(self.engine)
+            except BaseException as exc:  # handed to the caller, never kills the thread
+                if command.future is None:
+                    log.exception("engine command failed")
+                else:
+                    command.future.set_exception(exc)
+            else:
+                if command.future is not None:
+                    command.future.set_result(result)
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing every in-flight request")
+            self._recover(exc)
+            return
+        self.steps += 1
+        scheduled = self._scheduled_request_ids()
+        self.stats = self.engine.get_stats()
+        if outputs or scheduled:
+            self._loop.call_soon_threadsafe(self._deliver, outputs, scheduled, started)
+
+    def _scheduled_request_ids(self) -> list[str]:
+        """Requests that got compute for the first time (their queue time ends now)."""
+        if not self._unscheduled:
+            return []
+        scheduler = self.engine.scheduler
+        running = {seq.request.request_id for seq in scheduler.running}
+        waiting = {seq.request.request_id for seq in scheduler.waiting}
+        started = self._unscheduled & running
+        # Gone from both lists: finished (or aborted) within the step that first ran it.
+        self._unscheduled -= started | (self._unscheduled - waiting)
+        return list(started)
+
+    def _recover(self, exc: Exception) -> None:
+        error = EngineFailure(f"engine step failed: {exc!r}")
+        self._loop.call_soon_threadsafe(self._fail_all, error)
+        # Drop whatever the engine holds so the next request starts clean.
+        for request_id in list(getattr(self.engine, "_requests", {})):
+            _abort(self.engine, request_id)
+        self._unscheduled.clear()
+        time.sleep(0.05)  # a persistent failure must not spin the CPU
+
+    def _check_integrity(self) -> None:
+        report = self.integrity
+        try:
+            self.engine.check_integrity()
+        except Exception as exc:  # AssertionError included: surfaced in stats, not fatal
+            report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
+            log.error("engine integrity check failed at idle: %s", report.error)
+        else:
+            report.ok, report.error = True, ""
+        report.checked_at = time.time()
+        report.checks += 1
+
+
+def _abort(engine: Any, request_id: str) -> None:
+    try:
+        engine.abort_request(request_id)
+    except KeyError:
+        pass  # already finished: nothing to free

@@ -1,0 +1,144 @@
+"""Wire <-> engine: a ``GenerateRequest`` becomes an engine request, a ``StepOutput`` a response.
+
+Validation errors are ``ValueError``s naming the field as the client spells it; the servicer
+turns them into ``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from proto import prefixmesh_pb2 as pb
+from replica.outputs import StepOutput
+from replica.sampling_params import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+# Proto optional fields that map one to one onto SamplingParams (unset = the engine default).
+_OPTIONAL_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs",
+    "min_tokens", "skip_special_tokens",
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """What the engine gets for one ``GenerateRequest``."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    num_resumed: int  # tokens an earlier replica generated, appended to the prompt
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The client's prompt, without the resumed tokens."""
+        return len(self.prompt_token_ids) - self.num_resumed
+
+
+def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
+    """Proto -> engine sampling parameters; raises ``ValueError`` naming the bad field."""
+    kwargs: dict[str, Any] = {f: getattr(sp, f) for f in _OPTIONAL_FIELDS if sp.HasField(f)}
+    return SamplingParams(
+        stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        **kwargs,
+    )
+
+
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any) -> list[int]:
+    """The prompt as token ids, tokenized exactly as the engine would tokenize it."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise ValueError("input is required: set one of text, token_ids or chat")
+    if kind == "text":
+        if not request.text:
+            raise ValueError("text must not be empty")
+        return tokenizer.encode(request.text)
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise ValueError("token_ids.ids must not be empty")
+        return ids
+    chat = request.chat
+    if not chat.messages:
+        raise ValueError("chat.messages must not be empty")
+    messages = []
+    for i, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise ValueError(
+                f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)} "
+                f"(got {message.role!r})"
+            )
+        messages.append({"role": message.role, "content": message.content})
+    add_generation_prompt = (
+        chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    )
+    return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+
+def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{name}[{i}] must be a token id in [0, {vocab_size}) (got {t})")
+
+
+def engine_request(request: pb.GenerateRequest, tokenizer: Any, vocab_size: int) -> EngineRequest:
+    """Validate and convert a request; ``ValueError`` names the first bad field."""
+    params = sampling_params(request.sampling)
+    ids = prompt_token_ids(request, tokenizer)
+    if request.WhichOneof("input") == "token_ids":
+        _check_ids("token_ids.ids", ids, vocab_size)
+    resumed = list(request.resume_token_ids)
+    _check_ids("resume_token_ids", resumed, vocab_size)
+    if resumed:
+        if params.n != 1:
+            raise ValueError(f"resume_token_ids needs n == 1 (got n={params.n})")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(
+                f"resume_token_ids has {len(resumed)} tokens, must be fewer than "
+                f"max_tokens={params.max_tokens}"
+            )
+        # The resumed tokens count toward the budget: continue for what is left of it.
+        params.max_tokens -= len(resumed)
+        params.min_tokens = max(0, params.min_tokens - len(resumed))
+    return EngineRequest(
+        prompt_token_ids=ids + resumed,
+        params=params,
+        priority=request.priority,
+        cache_salt=request.cache_salt or None,
+        num_resumed=len(resumed),
+    )
+
+
+def response(
+    out: StepOutput, request_id: str, replica_id: str, req: EngineRequest
+) -> pb.GenerateResponse:
+    """One streamed message; the last one of a sample carries finish reason and usage."""
+    msg = pb.GenerateResponse(
+        request_id=request_id,
+        index=out.index,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        replica_id=replica_id,
+    )
+    for lp in out.new_logprobs or ():
+        msg.logprobs.append(pb.Logprobs(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        ))  # fmt: skip
+    if out.finished:
+        msg.finish_reason = out.finish_reason or ""
+        msg.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
+        # Usage as if the request had run here from the start: the resumed tokens are output,
+        # not prompt, so a router's totals stay the same whether or not it failed over.
+        prompt = req.num_prompt_tokens
+        msg.usage.prompt_tokens = prompt
+        msg.usage.completion_tokens = out.num_output_tokens + req.num_resumed
+        msg.usage.cached_tokens = min(out.num_cached_tokens, prompt)
+    return msg

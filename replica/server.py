@@ -1,0 +1,247 @@
+"""``prefixmesh replica``: one engine behind gRPC (grpc.aio on uvloop), registered in Redis.
+
+Serves ``Generator`` (streaming generation) and ``Replica`` (load, stats, model info, cache
+state), plus standard health checking and server reflection. The engine runs on its own thread
+(``EngineLoop``); the ``KVPublisher`` keeps the lease, load and block set in Redis exact.
+
+Admission: a request waits (is admitted but has produced nothing yet) in a bounded queue of
+``--max-queue``; beyond it ``Generate`` answers RESOURCE_EXHAUSTED at once so a router can go
+elsewhere. Cancellation or an expired deadline aborts the request and frees its blocks.
+
+SIGTERM / SIGINT: health goes NOT_SERVING and new requests get UNAVAILABLE, the replica leaves
+Redis (routers stop sending here), in-flight requests get ``--grace-period`` seconds to finish,
+then the rest are aborted and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from prefixmesh.hashing import HASH_SCHEME
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+from replica.engine_loop import EngineLoop
+from replica.kv_publisher import KVEventBuffer, KVPublisher
+from replica.metrics import ReplicaMetrics
+from replica.server_config import ServerConfig, parse_config
+from replica.servicers import GeneratorService, ReplicaService
+
+log = logging.getLogger("prefixmesh.replica")
+
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+    ("grpc.so_reuseport", 0),  # a second replica on a taken port must fail, not share it
+]
+
+
+class ReplicaServer:
+    """One replica process: engine thread, gRPC server, Redis publisher and metrics."""
+
+    def __init__(self, config: ServerConfig, engine: Any) -> None:
+        self.config = config
+        self.engine = engine
+        self.replica_id = config.replica_id
+        self.vocab_size = int(engine.model_config.vocab_size)
+        self.address = ""
+        self.port = 0
+        self.draining = False
+        self.num_waiting = 0  # admitted requests that have not produced output yet
+        self.num_inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopped = asyncio.Event()
+        self._force = asyncio.Event()  # a second signal: skip the rest of the grace period
+        self.loop: EngineLoop | None = None
+        self.publisher: KVPublisher | None = None
+        self.metrics: ReplicaMetrics | None = None
+        self.metrics_port = 0
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        buffer = KVEventBuffer()
+        self.engine.set_kv_event_callback(buffer.append)
+
+        server = grpc.aio.server(options=_GRPC_OPTIONS)
+        pb_grpc.add_GeneratorServicer_to_server(GeneratorService(self), server)
+        pb_grpc.add_ReplicaServicer_to_server(ReplicaService(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        services = (
+            pb.DESCRIPTOR.services_by_name["Generator"].full_name,
+            pb.DESCRIPTOR.services_by_name["Replica"].full_name,
+        )
+        reflection.enable_server_reflection(
+            (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if not self.port:
+            raise SystemExit(f"prefixmesh replica: cannot bind {cfg.host}:{cfg.port}")
+        self.replica_id = cfg.resolved_replica_id(self.port)
+        self.address = cfg.resolved_advertise_address(self.port)
+        self._server = server
+
+        self.metrics = ReplicaMetrics(
+            lambda: self.loop.stats if self.loop else None, self.engine.model_id, self.replica_id
+        )
+        if cfg.metrics_port:
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+
+        self.loop.start()
+        await server.start()
+        if cfg.redis:
+            self.publisher = KVPublisher(
+                cfg.redis,
+                self.replica_id,
+                self._lease_fields(),
+                self._load_fields,
+                lambda: self.loop.call(lambda eng: buffer.cut(eng.cached_block_hashes)),
+                buffer,
+                namespace=cfg.namespace,
+            )
+            self.publisher.start()
+        for name in ("", *services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "replica %s serving %s on %s:%d (advertised %s)%s",
+            self.replica_id,
+            self.engine.model_id,
+            cfg.host,
+            self.port,
+            self.address,
+            f", metrics on :{self.metrics_port}" if self.metrics_port else "",
+        )
+
+    async def shutdown(self) -> None:
+        """Drain: stop admitting, leave Redis, let in-flight requests finish, then stop."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info(
+            "shutting down: %d requests in flight, grace period %.1fs",
+            self.num_inflight,
+            self.config.grace_period,
+        )
+        await self.health.enter_graceful_shutdown()
+        if self.publisher is not None:
+            await self.publisher.close(deregister=True)
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._idle, self._force)]
+        await asyncio.wait(
+            waits, timeout=self.config.grace_period, return_when=asyncio.FIRST_COMPLETED
+        )
+        for w in waits:
+            w.cancel()
+        if self.num_inflight:
+            log.warning("aborting %d requests still in flight", self.num_inflight)
+        if self._server is not None:
+            # Cancels the remaining streams: their handlers abort them in the engine.
+            await self._server.stop(grace=0.5)
+        if self.loop is not None:
+            await asyncio.to_thread(self.loop.stop)
+        if self.metrics is not None:
+            self.metrics.close()
+        self._stopped.set()
+
+    def on_signal(self) -> None:
+        """First SIGTERM/SIGINT drains gracefully; a second one cuts the grace period short."""
+        if self.draining:
+            self._force.set()
+        else:
+            asyncio.ensure_future(self.shutdown())
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -- helpers for the servicers --------------------------------------------------------
+
+    def _lease_fields(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "http_address": "",
+            "model": self.engine.model_id,
+            "block_size": self.engine.block_size,
+            "hash_scheme": HASH_SCHEME,
+            "max_model_len": self.engine.max_model_len,
+            "metrics_port": self.metrics_port,
+        }
+
+    def _load_fields(self) -> dict[str, Any]:
+        s = self.loop.stats
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "kv_usage": f"{s.kv_usage:.4f}",
+            "queued_tokens": s.queued_tokens,
+            "num_blocks": s.num_blocks,
+            "free_blocks": s.free_blocks,
+            "cached_blocks": s.cached_blocks,
+        }
+
+    def load(self) -> pb.ReplicaLoad:
+        s = self.loop.stats
+        return pb.ReplicaLoad(
+            replica_id=self.replica_id, running=s.running,
+            waiting=s.waiting, kv_usage=s.kv_usage,
+            queued_tokens=s.queued_tokens, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
+        )  # fmt: skip
+
+    def request_started(self) -> None:
+        self.num_inflight += 1
+        self._idle.clear()
+
+    def request_ended(self) -> None:
+        self.num_inflight -= 1
+        if self.num_inflight == 0:
+            self._idle.set()
+
+
+# -- process entry point ------------------------------------------------------------------
+
+
+async def serve(config: ServerConfig) -> None:
+    """Load the engine, serve until SIGTERM/SIGINT, then drain and exit."""
+    from replica.engine import LLMEngine  # torch: imported only by the replica process
+
+    engine = await asyncio.to_thread(LLMEngine, config.engine_config())
+    server = ReplicaServer(config, engine)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.on_signal)
+    await server.wait_stopped()
+    log.info("replica %s stopped", server.replica_id)
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:  # Windows: the default loop works, only slower
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(
+        level=getattr(logging, config.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    _run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The replica server's configuration: one typed object built from CLI flags and environment.
+
+Every knob is a flag (``--max-queue``) and an environment variable of the same name
+(``PREFIXMESH_MAX_QUEUE``); a flag wins over the environment, which wins over the default.
+``prefixmesh replica --help`` lists every knob with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from replica.config import EngineConfig
+
+ENV_PREFIX = "PREFIXMESH_"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything one replica process needs: network, Redis, engine and operations knobs."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    advertise_address: str = ""
+    advertise_host: str = ""
+    replica_id: str = ""
+    redis: str = ""
+    namespace: str = "pm"
+    model: str = "smollm2"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int = 0
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 0
+    max_queue: int = 256
+    threads: int = 0
+    metrics_port: int = 0
+    grace_period: float = 10.0
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    scheduling_policy: str = "fcfs"
+    prefix_caching: bool = True
+    seed: int = 0
+    log_level: str = "INFO"
+
+    def resolved_advertise_address(self, bound_port: int) -> str:
+        """The host:port routers should dial (``--advertise-host auto`` = this machine's name)."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.advertise_host or self.host
+        if host == "auto":
+            host = socket.gethostname()
+        elif host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"{host}:{bound_port}"
+
+    def resolved_replica_id(self, bound_port: int) -> str:
+        """A stable id if given, else host-port plus a random suffix (unique per process)."""
+        if self.replica_id:
+            return self.replica_id
+        host = self.advertise_host if self.advertise_host not in ("", "auto") else self.host
+        if self.advertise_host == "auto" or host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
+        return f"{host}-{bound_port}-{secrets.token_hex(3)}"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's share of this configuration (0 / empty = the engine's own default)."""
+        from replica.config import EngineConfig
+
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_prefix_caching": self.prefix_caching,
+            "scheduling_policy": self.scheduling_policy,
+            "attention_backend": self.attention_backend,
+            "device": self.device,
+            "seed": self.seed,
+        }
+        if self.num_blocks:
+            kwargs["num_kv_blocks"] = self.num_blocks
+        kwargs["kv_cache_memory_gb"] = self.kv_cache_gb
+        if self.max_model_len:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.threads:
+            kwargs["num_threads"] = self.threads
+        return EngineConfig(**kwargs)
+
+
+# flag -> help text. The defaults come from ServerConfig, so they are written down once.
+_HELP: dict[str, str] = {
+    "host": "interface to bind the gRPC server on",
+    "port": "gRPC port (0 = pick a free one)",
+    "advertise_address": "host:port routers dial to reach this replica (default: "
+    "advertise host + bound port)",
+    "advertise_host": "host part of the advertised address; 'auto' = socket.gethostname() "
+    "(what a container needs); default: --host",
+    "replica_id": "id in Redis and in every response (default: host-port-<random>)",
+    "redis": "Redis URL for the lease and KV events, e.g. redis://127.0.0.1:6379/0 "
+    "(empty = standalone, no Redis)",
+    "namespace": "prefix of every Redis key, so several clusters can share one Redis",
+    "model": "model name ('smollm2'), Hugging Face folder or .gguf file",
+    "dtype": "weights and KV cache dtype: auto (bfloat16), float32, bfloat16 or float16",
+    "block_size": "tokens per KV cache block (the prefix-cache granularity)",
+    "num_blocks": "KV cache blocks (0 = sized from --kv-cache-gb)",
+    "kv_cache_gb": "KV cache memory in GiB; ignored if --num-blocks is set",
+    "max_num_seqs": "most sequences running in one engine step",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
+    "max_model_len": "longest prompt + output in tokens (0 = the model's context length)",
+    "max_queue": "most requests waiting to start; beyond it Generate answers RESOURCE_EXHAUSTED",
+    "threads": "torch CPU threads (0 = torch default)",
+    "metrics_port": "Prometheus /metrics port (0 = off)",
+    "grace_period": "seconds in-flight requests get to finish after SIGTERM before abort",
+    "attention_backend": "attention kernels: auto, torch or triton",
+    "device": "torch device: cpu or cuda",
+    "scheduling_policy": "fcfs or priority (lower GenerateRequest.priority first)",
+    "prefix_caching": "reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching "
+    "is the baseline for measurements)",
+    "seed": "engine seed for requests that set none",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``prefixmesh replica`` argument parser; defaults already include the environment."""
+    parser = argparse.ArgumentParser(
+        prog="prefixmesh replica",
+        description="Serve one model replica over gRPC (Generator + Replica services, health, "
+        "reflection), registered in Redis with its KV cache contents. Every flag can also be "
+        f"set by the environment variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = ServerConfig()
+    for f in fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        env = os.environ.get(_env_name(f.name))
+        help_ = f"{_HELP[f.name]} [env {_env_name(f.name)}]"
+        if isinstance(default, bool):
+            value = _parse_bool(env) if env is not None else default
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=value, help=help_
+            )
+            continue
+        kind = type(default)
+        try:
+            value = kind(env) if env is not None else default
+        except ValueError as exc:
+            parser.error(f"{_env_name(f.name)}={env!r}: {exc}")
+        parser.add_argument(flag, type=kind, default=value, help=help_)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> ServerConfig:
+    """Build the config from ``argv`` (flags) and ``os.environ`` (``PREFIXMESH_*``)."""
+    args = build_parser().parse_args(argv)
+    config = ServerConfig(**vars(args))
+    _check(config)
+    return config
+
+
+def _check(config: ServerConfig) -> None:
+    problems = []
+    if not 0 <= config.port < 65536:
+        problems.append(f"--port must be in [0, 65535] (got {config.port})")
+    if config.max_queue < 1:
+        problems.append(f"--max-queue must be >= 1 (got {config.max_queue})")
+    if config.grace_period < 0:
+        problems.append(f"--grace-period must be >= 0 (got {config.grace_period})")
+    if config.block_size < 1:
+        problems.append(f"--block-size must be >= 1 (got {config.block_size})")
+    if problems:
+        raise SystemExit("prefixmesh replica: " + "; ".join(problems))
