@@ -48,6 +48,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillPlan] = []
+        # The keys/values last written: a prefill with no cached prefix attends to exactly
+        # these, so it can skip gathering them back out of the paged cache.
+        self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.block_tables.device
@@ -91,6 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        self._new_kv = (key, value)
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
@@ -101,17 +105,23 @@ class TorchAttentionBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         for plan in self._prefills:
             q = query[plan.token_start : plan.token_end]  # [q_len, H, D]
+            if plan.mask is None and self._new_kv is not None:
+                # Plain prefill: causal over its own new tokens, GQA inside the kernel.
+                k = self._new_kv[0][plan.token_start : plan.token_end]
+                v = self._new_kv[1][plan.token_start : plan.token_end]
+                o = F.scaled_dot_product_attention(
+                    q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                    is_causal=True, scale=scale, enable_gqa=True,
+                )  # fmt: skip
+                out[plan.token_start : plan.token_end] = o.transpose(0, 1)
+                continue
             q_len = q.shape[0]
             k = k_cache[plan.block_ids].flatten(0, 1)[: plan.context_len]  # [ctx, KVH, D]
             v = v_cache[plan.block_ids].flatten(0, 1)[: plan.context_len]
             # Fold the query heads of each KV group into the length axis: [KVH, q_len*G, D].
             qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
             qg = qg.reshape(num_kv_heads, q_len * group, head_dim)
-            if plan.mask is None:
-                mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
-            else:
-                mask = plan.mask
-            mask = mask.repeat_interleave(group, dim=0)
+            mask = plan.mask.repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(
                 qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
             )

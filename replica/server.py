@@ -64,6 +64,8 @@ class ReplicaServer:
         self.publisher: KVPublisher | None = None
         self.metrics: ReplicaMetrics | None = None
         self.metrics_port = 0
+        self.http: Any = None  # OpenAIHttpServer when --http-port is set
+        self.http_address = ""
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
 
@@ -101,6 +103,11 @@ class ReplicaServer:
 
         self.loop.start()
         await server.start()
+        if cfg.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai_doors.py) --
+            from prefixmesh.openai_doors import start_replica_http
+
+            self.http = await start_replica_http(self, cfg.host, cfg.http_port)
+            self.http_address = f"{self.address.rsplit(':', 1)[0]}:{self.http.port}"
         if cfg.redis:
             self.publisher = KVPublisher(
                 cfg.redis,
@@ -148,6 +155,8 @@ class ReplicaServer:
         if self._server is not None:
             # Cancels the remaining streams: their handlers abort them in the engine.
             await self._server.stop(grace=0.5)
+        if self.http is not None:
+            await self.http.close()
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
         if self.metrics is not None:
@@ -169,7 +178,7 @@ class ReplicaServer:
     def _lease_fields(self) -> dict[str, Any]:
         return {
             "address": self.address,
-            "http_address": "",
+            "http_address": self.http_address,
             "model": self.engine.model_id,
             "block_size": self.engine.block_size,
             "hash_scheme": HASH_SCHEME,

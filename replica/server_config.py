@@ -42,6 +42,7 @@ class ServerConfig:
     max_queue: int = 256
     threads: int = 0
     metrics_port: int = 0
+    http_port: int = 0  # OpenAI-compatible HTTP (prefixmesh/openai_http.py)
     grace_period: float = 10.0
     attention_backend: str = "auto"
     device: str = "cpu"
@@ -119,6 +120,8 @@ _HELP: dict[str, str] = {
     "max_queue": "most requests waiting to start; beyond it Generate answers RESOURCE_EXHAUSTED",
     "threads": "torch CPU threads (0 = torch default)",
     "metrics_port": "Prometheus /metrics port (0 = off)",
+    "http_port": "OpenAI-compatible HTTP port: /v1/completions, /v1/chat/completions, "
+    "/v1/models, /health, /metrics (0 = off)",
     "grace_period": "seconds in-flight requests get to finish after SIGTERM before abort",
     "attention_backend": "attention kernels: auto, torch or triton",
     "device": "torch device: cpu or cuda",
