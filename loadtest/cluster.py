@@ -1,0 +1,134 @@
+"""The router's ``Cluster`` service seen by the load tester: counters snapshotted before and
+after a run (results are the deltas), and policy switching for ``--compare``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from loadtest.grpc_client import channel_options
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class ReplicaCounters:
+    replica_id: str
+    address: str = ""
+    block_size: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ClusterSnapshot:
+    """Cumulative counters of one ``ListReplicas`` answer."""
+
+    policy: str
+    replicas: dict[str, ReplicaCounters] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)
+    routing: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_proto(cls, state: pb.ClusterState) -> ClusterSnapshot:
+        snap = cls(policy=state.policy)
+        for r in state.replicas:
+            snap.replicas[r.replica_id] = ReplicaCounters(
+                r.replica_id, r.address, r.block_size, r.requests, r.prompt_tokens, r.cached_tokens
+            )
+        snap.decisions = dict(state.routing.decisions)
+        rt = state.routing
+        snap.routing = {
+            "requests": rt.requests,
+            "prompt_tokens": rt.prompt_tokens,
+            "actual_cached_tokens": rt.actual_cached_tokens,
+            "predicted_cached_tokens": rt.predicted_cached_tokens,
+            "retries": rt.retries,
+            "failovers": rt.failovers,
+            "errors": rt.errors,
+        }
+        return snap
+
+    @property
+    def block_size(self) -> int | None:
+        sizes = {r.block_size for r in self.replicas.values() if r.block_size}
+        return sizes.pop() if len(sizes) == 1 else None
+
+
+def _rate(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+def cluster_delta(before: ClusterSnapshot, after: ClusterSnapshot) -> dict[str, Any]:
+    """What happened between two snapshots: per-replica requests and hit rate, routing."""
+    replicas: dict[str, Any] = {}
+    for rid, a in sorted(after.replicas.items()):
+        b = before.replicas.get(rid, ReplicaCounters(rid))
+        if a.requests < b.requests:  # stats were reset in between: count from zero
+            b = ReplicaCounters(rid)
+        prompt, cached = a.prompt_tokens - b.prompt_tokens, a.cached_tokens - b.cached_tokens
+        replicas[rid] = {
+            "address": a.address,
+            "requests": a.requests - b.requests,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": _rate(cached, prompt),
+        }
+
+    reset = after.routing.get("requests", 0) < before.routing.get("requests", 0)
+    base_routing = {} if reset else before.routing
+    base_decisions = {} if reset else before.decisions
+    routing = {k: v - base_routing.get(k, 0) for k, v in after.routing.items()}
+    decisions = {
+        k: v - base_decisions.get(k, 0)
+        for k, v in sorted(after.decisions.items())
+        if v - base_decisions.get(k, 0)
+    }
+    return {
+        "policy": after.policy,
+        "replicas": replicas,
+        "decisions": decisions,
+        "routing": routing,
+        "hit_rate": _rate(routing.get("actual_cached_tokens", 0), routing.get("prompt_tokens", 0)),
+    }
+
+
+class ClusterClient:
+    """Thin async wrapper over the router's Cluster service."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(-1))
+        self._stub = pb_grpc.ClusterStub(self._channel)
+
+    async def snapshot(self, timeout: float = 10.0) -> ClusterSnapshot | None:
+        """The current counters, or None when the target is not a router."""
+        try:
+            state = await self._stub.ListReplicas(pb.Empty(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
+                return None
+            raise
+        return ClusterSnapshot.from_proto(state)
+
+    async def replica_block_size(self, timeout: float = 10.0) -> int | None:
+        """The block size of a replica target (``Replica.GetModelInfo``), None if not one."""
+        try:
+            info = await pb_grpc.ReplicaStub(self._channel).GetModelInfo(
+                pb.Empty(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        return info.block_size or None
+
+    async def set_policy(self, policy: str, timeout: float = 10.0) -> ClusterSnapshot:
+        state = await self._stub.SetPolicy(pb.SetPolicyRequest(policy=policy), timeout=timeout)
+        return ClusterSnapshot.from_proto(state)
+
+    async def reset_stats(self, timeout: float = 10.0) -> None:
+        await self._stub.ResetStats(pb.Empty(), timeout=timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
