@@ -109,11 +109,12 @@ class TorchAttentionBackend(AttentionBackend):
                 # Plain prefill: causal over its own new tokens, GQA inside the kernel.
                 k = self._new_kv[0][plan.token_start : plan.token_end]
                 v = self._new_kv[1][plan.token_start : plan.token_end]
+                # 4-D inputs take torch's fused CPU kernel (3-D ones a slower path).
                 o = F.scaled_dot_product_attention(
-                    q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                    q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                     is_causal=True, scale=scale, enable_gqa=True,
                 )  # fmt: skip
-                out[plan.token_start : plan.token_end] = o.transpose(0, 1)
+                out[plan.token_start : plan.token_end] = o[0].transpose(0, 1)
                 continue
             q_len = q.shape[0]
             k = k_cache[plan.block_ids].flatten(0, 1)[: plan.context_len]  # [ctx, KVH, D]
@@ -123,8 +124,9 @@ class TorchAttentionBackend(AttentionBackend):
             qg = qg.reshape(num_kv_heads, q_len * group, head_dim)
             mask = plan.mask.repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(
-                qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-            )
+                qg[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                scale=scale,
+            )[0]
             o = o.view(num_kv_heads, q_len, group, head_dim).permute(1, 0, 2, 3)
             out[plan.token_start : plan.token_end] = o.reshape(q_len, num_heads, head_dim)
         plan = self._decode
