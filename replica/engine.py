@@ -109,6 +109,7 @@ class LLMEngine:
         self._kv_event_callback: KVEventCallback | None = None
         self._requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []  # aborted requests' final outputs
+        self._newly_scheduled: list[str] = []  # requests that got compute for the first time
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -194,6 +195,17 @@ class LLMEngine:
         self._count_finished("abort", aborted)
         self._flush_kv_events()
 
+    def abort_all(self) -> None:
+        """Abort every request (after a failure), freeing all their blocks."""
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+
+    def pop_newly_scheduled(self) -> list[str]:
+        """Request ids that got compute for the first time since the last call (queue time
+        ends there)."""
+        ids, self._newly_scheduled = self._newly_scheduled, []
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending)
 
@@ -209,6 +221,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
+        for item in sched.scheduled:
+            request = item.seq.request
+            if not request.scheduled:
+                request.scheduled = True
+                self._newly_scheduled.append(request.request_id)
         logits, sample_idx = self.runner.execute(sched)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens

@@ -73,7 +73,6 @@ class EngineLoop:
         self._stopping = False
         self._handles: dict[str, RequestHandle] = {}  # touched on the event loop only
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._unscheduled: set[str] = set()  # engine thread only: added, not yet given compute
         self.stats: Any = engine.get_stats()
         self.integrity = IntegrityReport()
         self.steps = 0
@@ -106,7 +105,6 @@ class EngineLoop:
                 cache_salt=cache_salt or None,
                 arrival_time=arrival_time,
             )
-            self._unscheduled.add(request_id)
 
         try:
             await self.call(add)
@@ -124,7 +122,7 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Abort a request: the engine frees its blocks before its next step."""
-        self._post(_Command(lambda engine: _abort(engine, request_id)))
+        self._post(_Command(lambda engine: engine.abort_request(request_id)))
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
@@ -213,23 +211,13 @@ class EngineLoop:
 
     def _scheduled_request_ids(self) -> list[str]:
         """Requests that got compute for the first time (their queue time ends now)."""
-        if not self._unscheduled:
-            return []
-        scheduler = self.engine.scheduler
-        running = {seq.request.request_id for seq in scheduler.running}
-        waiting = {seq.request.request_id for seq in scheduler.waiting}
-        started = self._unscheduled & running
-        # Gone from both lists: finished (or aborted) within the step that first ran it.
-        self._unscheduled -= started | (self._unscheduled - waiting)
-        return list(started)
+        return self.engine.pop_newly_scheduled()
 
     def _recover(self, exc: Exception) -> None:
         error = EngineFailure(f"engine step failed: {exc!r}")
         self._loop.call_soon_threadsafe(self._fail_all, error)
         # Drop whatever the engine holds so the next request starts clean.
-        for request_id in list(getattr(self.engine, "_requests", {})):
-            _abort(self.engine, request_id)
-        self._unscheduled.clear()
+        self.engine.abort_all()
         time.sleep(0.05)  # a persistent failure must not spin the CPU
 
     def _check_integrity(self) -> None:
@@ -243,10 +231,3 @@ class EngineLoop:
             report.ok, report.error = True, ""
         report.checked_at = time.time()
         report.checks += 1
-
-
-def _abort(engine: Any, request_id: str) -> None:
-    try:
-        engine.abort_request(request_id)
-    except KeyError:
-        pass  # already finished: nothing to free

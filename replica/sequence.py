@@ -29,6 +29,7 @@ class Request:
     num_cached_tokens: int = -1  # set at first admission
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1 samples created (after the prompt's prefill)
+    scheduled: bool = False  # has been given compute at least once
 
     @property
     def finished(self) -> bool:
