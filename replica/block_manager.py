@@ -169,3 +169,33 @@ class BlockManager:
             assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"
         hashed = sum(1 for h in self.block_hash if h is not None)
         assert hashed == len(self._hash_to_block), "a hashed block is missing from the index"
+
+
+class HostBlockPool:
+    """Blocks of a host-memory KV pool that preempted sequences are swapped out to.
+
+    Only used where the device has memory of its own (CUDA), or when swap is forced for tests.
+    No prefix caching here: a host block belongs to exactly one swapped-out sequence.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise NoFreeBlocksError("host swap space is full")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+    def check_integrity(self, host_tables: Iterable[list[int]]) -> None:
+        used = [b for table in host_tables for b in table]
+        assert len(used) == len(set(used)), "a host block is owned twice"
+        assert not set(used) & set(self._free), "a swapped-out block is also free"
+        assert len(used) + len(self._free) == self.num_blocks, "host blocks leaked"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass(slots=True)
@@ -30,6 +31,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # How a preempted sequence gives its blocks back: "recompute" drops them (full ones stay in
+    # the prefix cache), "swap" copies them to a host pool of ``swap_space_gb`` and back.
+    # "auto" swaps where the device has memory of its own (CUDA) and recomputes on CPU.
+    preemption_mode: str = "auto"
+    swap_space_gb: float = 1.0
+    num_host_blocks: int | None = None
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
@@ -46,6 +53,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens must be >= block_size (got {self.max_num_batched_tokens})"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

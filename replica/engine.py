@@ -17,7 +17,7 @@ import torch
 
 from prefixmesh.hashing import BlockHash
 from prefixmesh.tokenizer import Tokenizer
-from replica.block_manager import BlockManager
+from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
 from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
@@ -45,6 +45,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     preemptions: int
+    swapped_out: int
     prompt_tokens: int
     generation_tokens: int
     finished_by_reason: dict[str, int] = field(default_factory=dict)
@@ -84,6 +85,16 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         device = torch.device(config.device)
+        swap = config.preemption_mode == "swap" or (
+            config.preemption_mode == "auto" and device.type == "cuda"
+        )
+        num_host_blocks = 0
+        if swap:
+            num_host_blocks = config.num_host_blocks or max(
+                1,
+                int(config.swap_space_gb * 2**30)
+                // kv_bytes_per_block(mc, self.block_size, self.dtype),
+            )
         self.runner = ModelRunner(
             mc,
             load_state_dict(files.path, self.dtype),
@@ -93,6 +104,7 @@ class LLMEngine:
             self.block_size,
             self.max_model_len,
             config.attention_backend,
+            num_host_blocks,
         )
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []
@@ -103,7 +115,8 @@ class LLMEngine:
             on_stored=self._stored.append,
             on_removed=self._removed.append,
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.model_id)
+        self.host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        self.scheduler = Scheduler(config, self.block_manager, self.model_id, self.host_pool)
         self.sampler = Sampler(seed=config.seed)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._kv_event_callback: KVEventCallback | None = None
@@ -220,6 +233,9 @@ class LLMEngine:
             return outputs
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            # Nothing fits this step, but KV moves the scheduler decided on must still happen.
+            self.runner.swap_out(sched.swap_out)
+            self._flush_kv_events()
             return outputs
         for item in sched.scheduled:
             request = item.seq.request
@@ -227,6 +243,9 @@ class LLMEngine:
                 request.scheduled = True
                 self._newly_scheduled.append(request.request_id)
         logits, sample_idx = self.runner.execute(sched)
+        if sched.host_blocks_to_free:
+            assert self.host_pool is not None
+            self.host_pool.release(sched.host_blocks_to_free)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.scheduler.cache_computed_blocks(item.seq)
@@ -311,6 +330,8 @@ class LLMEngine:
         self.block_manager.check_integrity(tables)
         for seq in self.scheduler.waiting:
             assert not seq.block_table, "a waiting sequence holds blocks"
+        if self.host_pool is not None:
+            self.host_pool.check_integrity(s.host_blocks for s in self.scheduler.waiting)
 
     def get_stats(self) -> EngineStats:
         sched = self.scheduler
@@ -330,6 +351,7 @@ class LLMEngine:
             prefix_cache_queries=sched.stats.prefix_cache_queries,
             prefix_cache_hits=sched.stats.prefix_cache_hits,
             preemptions=sched.stats.preemptions,
+            swapped_out=sched.stats.swapped_out,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             finished_by_reason=dict(self._finished_by_reason),

@@ -36,6 +36,7 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         attention_backend: str,
+        num_host_blocks: int = 0,
     ) -> None:
         self.config = model_config
         self.device = device
@@ -51,21 +52,44 @@ class ModelRunner:
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model_config.num_layers)
         ]  # fmt: skip
+        # Host swap space for preempted sequences (pinned when the device is a GPU).
+        pin = device.type == "cuda"
+        host_shape = (num_host_blocks, *shape[1:])
+        self.host_caches = [
+            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
+             torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(model_config.num_layers if num_host_blocks else 0)
+        ]  # fmt: skip
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
+        """Copy whole blocks within the device pool (copy-on-write)."""
+        self._copy(copies, self.kv_caches, self.kv_caches)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, ``(device, host)`` pairs."""
+        self._copy(pairs, self.kv_caches, self.host_caches)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks, ``(host, device)`` pairs."""
+        self._copy(pairs, self.host_caches, self.kv_caches)
+
+    def _copy(self, pairs, src_caches, dst_caches) -> None:
+        if not pairs:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        src = torch.tensor([s for s, _ in pairs], device=src_caches[0][0].device)
+        dst = torch.tensor([d for _, d in pairs], device=dst_caches[0][0].device)
+        for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+            dst_k[dst] = src_k[src].to(dst_k.device, non_blocking=True)
+            dst_v[dst] = src_v[src].to(dst_v.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Float32 logits for every scheduled sequence that reaches its last token this step,
         and the indices (into ``sched.scheduled``) of those sequences."""
+        # Order matters: a block swapped out this step may be reused by a copy or a swap-in.
+        self.swap_out(sched.swap_out)
         self.copy_blocks(sched.copies)
+        self.swap_in(sched.swap_in)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

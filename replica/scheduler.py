@@ -5,7 +5,8 @@ and unfinished prefill chunks), so a long prompt never stalls streams that are a
 then waiting sequences are admitted while the token budget, ``max_num_seqs`` and the KV pool
 allow. A waiting sequence reuses the longest run of cached leading blocks (never its last token,
 which needs logits). When blocks run out, the lowest-priority, newest running sequence is
-preempted by recompute: its blocks are released (full ones stay cached) and it waits again.
+preempted: by recompute (its blocks are released, full ones stay cached, and it waits again) or,
+where the device has memory of its own, by swapping its blocks out to a host pool and back in.
 
 The result is a plain ``SchedulerOutput``; the model runner executes it.
 """
@@ -16,7 +17,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from prefixmesh.hashing import extend_block_hashes
-from replica.block_manager import BlockManager
+from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
 from replica.sequence import Sequence, SequenceStatus
 
@@ -33,6 +34,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), done first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), after copies
+    host_blocks_to_free: list[int] = field(default_factory=list)  # once swap_in has run
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -45,14 +49,22 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which served from the cache
     preemptions: int = 0
+    swapped_out: int = 0  # preemptions that swapped to the host pool
 
 
 class Scheduler:
     """FCFS or priority scheduling over a token budget with chunked prefill and preemption."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, model_id: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        model_id: str,
+        host_pool: HostBlockPool | None = None,
+    ) -> None:
         self.config = config
         self.bm = block_manager
+        self.host_pool = host_pool  # None: preemption always recomputes
         self.block_size = block_manager.block_size
         self.model_id = model_id
         self.waiting: list[Sequence] = []  # sorted by _key
@@ -88,6 +100,10 @@ class Scheduler:
         self.bm.release(seq.block_table)
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        if seq.host_blocks:
+            assert self.host_pool is not None
+            self.host_pool.release(seq.host_blocks)
+            seq.host_blocks = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -141,7 +157,10 @@ class Scheduler:
             if budget <= 0:
                 break
             seq = self.waiting[0]
-            scheduled = self._admit(seq, budget)
+            if seq.host_blocks:
+                scheduled = self._swap_in(seq, budget, out)
+            else:
+                scheduled = self._admit(seq, budget)
             if scheduled is None:
                 if not self._preempt_for(seq, planned, out):
                     break
@@ -185,6 +204,21 @@ class Scheduler:
             seq.request.num_cached_tokens = num_computed
         return ScheduledSeq(seq, num_new)
 
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
+        """Bring a swapped-out sequence back: new device blocks, copied in before the forward."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        bs = self.block_size
+        extra = max(0, -(-(seq.num_computed_tokens + num_new) // bs) - len(seq.host_blocks))
+        if self.bm.num_free_blocks < len(seq.host_blocks) + extra:
+            return None
+        seq.block_table = [self.bm.allocate() for _ in seq.host_blocks]
+        out.swap_in.extend(zip(seq.host_blocks, seq.block_table))
+        out.host_blocks_to_free.extend(seq.host_blocks)  # freed after the copy has run
+        seq.host_blocks = []
+        seq.block_table.extend(self.bm.allocate() for _ in range(extra))
+        seq.num_hashed_blocks = 0  # re-registered (or matched to the cached copy) as they fill
+        return ScheduledSeq(seq, num_new)
+
     def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Make ``seq``'s block table cover its next ``num_new`` tokens (copy-on-write too)."""
         bs = self.block_size
@@ -205,10 +239,27 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Preempt by recompute: free the blocks (full ones stay cached) and wait again."""
+        """Swap the sequence's KV out to the host pool if there is one with room; otherwise
+        preempt by recompute: free the blocks (full ones stay cached) and start over later."""
         self.running.remove(seq)
-        self._free(seq)
-        seq.num_computed_tokens = 0
+        pool = self.host_pool
+        # A block copied-on-write this step holds its content only after the copy runs, which
+        # is after swap-outs: such a sequence recomputes instead.
+        fresh_copies = {dst for _, dst in out.copies}
+        if (
+            pool is not None
+            and pool.num_free_blocks >= len(seq.block_table) > 0
+            and not fresh_copies.intersection(seq.block_table)
+        ):
+            seq.host_blocks = pool.allocate(len(seq.block_table))
+            out.swap_out.extend(zip(seq.block_table, seq.host_blocks))
+            self.bm.release(seq.block_table)
+            seq.block_table = []
+            seq.num_hashed_blocks = 0
+            self.stats.swapped_out += 1
+        else:
+            self._free(seq)
+            seq.num_computed_tokens = 0
         self.stats.preemptions += 1
         out.preempted.append(seq)
         self.add(seq)

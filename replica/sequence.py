@@ -51,6 +51,7 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, chained
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     num_computed_tokens: int = 0
+    host_blocks: list[int] = field(default_factory=list)  # swapped-out KV, in table order
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -250,3 +250,23 @@ def test_bad_requests_name_the_field(tiny_model_dir, prompt, params, field):
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_swap_preemption_keeps_kv_and_output(tiny_model_dir):
+    # The host pool is meant for devices with memory of their own; forcing it on the CPU runs the
+    # same swap-out / swap-in path (device tensors and host tensors are both in RAM here).
+    prompts = random_prompts(8, (20, 60), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = run_greedy(make_llm(tiny_model_dir), prompts, params)
+    tight = make_llm(
+        tiny_model_dir,
+        num_kv_blocks=12,
+        max_num_batched_tokens=128,
+        preemption_mode="swap",
+        num_host_blocks=64,
+    )
+    assert run_greedy(tight, prompts, params) == roomy
+    stats = tight.engine.get_stats()
+    assert stats.swapped_out > 0
+    assert stats.free_blocks == stats.num_blocks
+    assert tight.engine.host_pool.num_free_blocks == 64
