@@ -33,6 +33,8 @@ class _PrefillPlan:
 class _DecodePlan:
     token_rows: torch.Tensor  # [Bd] int64, rows of the packed batch that are decodes
     block_ids: torch.Tensor  # [Bd, max_blocks] int64
+    block_tables: torch.Tensor  # [Bd, max_blocks] int32, for the C++ kernel
+    seq_lens: torch.Tensor  # [Bd] int32
     context_len: int  # padded context (max_blocks * block_size)
     mask: torch.Tensor  # [Bd, 1, 1, context_len] bool, True = attend
     contiguous: bool  # decode rows form one slice [start, end)
@@ -41,11 +43,17 @@ class _DecodePlan:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged varlen attention in plain PyTorch (any device, any float dtype)."""
+    """Paged varlen attention in plain PyTorch (any device, any float dtype).
+
+    On a CPU, decodes use the C++ kernel of ``kernels.cpu_decode`` when it can be compiled
+    (``use_cpu_kernel=None``: automatic); ``use_cpu_kernel=False`` keeps everything in torch.
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
+        self._use_cpu_kernel = use_cpu_kernel
+        self._cpu_kernel = None
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillPlan] = []
         # The keys/values last written: a prefill with no cached prefix attends to exactly
@@ -54,6 +62,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.block_tables.device
+        if self._use_cpu_kernel is not False and self._cpu_kernel is None and device.type == "cpu":
+            from kernels import cpu_decode
+
+            self._cpu_kernel = cpu_decode.load()
+            self._use_cpu_kernel = self._cpu_kernel is not None
         decode_rows: list[int] = []
         decode_seqs: list[int] = []
         self._prefills = []
@@ -77,7 +90,8 @@ class TorchAttentionBackend(AttentionBackend):
             lens = [meta.seq_lens_cpu[b] for b in decode_seqs]
             max_blocks = -(-max(lens) // block_size)
             seq_index = torch.tensor(decode_seqs, device=device)
-            block_ids = meta.block_tables[seq_index, :max_blocks].long()
+            tables = meta.block_tables[seq_index, :max_blocks].contiguous()
+            block_ids = tables.long()
             context_len = max_blocks * block_size
             lens_t = torch.tensor(lens, device=device)
             mask = torch.arange(context_len, device=device)[None, :] < lens_t[:, None]
@@ -85,6 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._decode = _DecodePlan(
                 torch.tensor(decode_rows, device=device),
                 block_ids,
+                tables,
+                torch.tensor(lens, dtype=torch.int32, device=device),
                 context_len,
                 mask[:, None, None, :],
                 contiguous,
@@ -135,6 +151,15 @@ class TorchAttentionBackend(AttentionBackend):
                 q = query[plan.start : plan.end]
             else:
                 q = query[plan.token_rows]
+            if self._use_cpu_kernel and self._cpu_kernel is not None and q.device.type == "cpu":
+                o = self._cpu_kernel.paged_decode(
+                    q.contiguous(), k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
+                )
+                if plan.contiguous:
+                    out[plan.start : plan.end] = o
+                else:
+                    out[plan.token_rows] = o
+                return out
             batch = q.shape[0]
             # [Bd, max_blocks, block, KVH, D] -> [Bd, KVH, ctx, D]
             k = k_cache[plan.block_ids].flatten(1, 2).transpose(1, 2)

@@ -223,6 +223,20 @@ def test_random_batches(seed):
     check_close(out, case.naive(), case.dtype)
     torch_out, _, _ = case.run(TorchAttentionBackend())
     check_close(torch_out, case.naive(), case.dtype)
+    # The pure-torch decode path (SDPA over gathered blocks) as well as the C++ CPU kernel.
+    sdpa_out, _, _ = case.run(TorchAttentionBackend(use_cpu_kernel=False))
+    check_close(sdpa_out, case.naive(), case.dtype)
+
+
+def test_cpu_decode_kernel_is_built_and_used():
+    from kernels import cpu_decode
+
+    assert cpu_decode.load() is not None, "the C++ decode kernel failed to compile"
+    case = Case([(37, 1), (5, 1), (80, 1)], 16, 6, 2, 64, torch.bfloat16)
+    backend = TorchAttentionBackend()
+    out, _, _ = case.run(backend)
+    assert backend._use_cpu_kernel
+    check_close(out, case.naive(), torch.bfloat16)
 
 
 @pytest.mark.parametrize("tile_n, num_splits", [(16, 1), (16, 3), (64, 2)])
