@@ -41,6 +41,7 @@ class UpConfig:
     model: str = "smollm2"
     host: str = "127.0.0.1"
     port: int = DEFAULT_ROUTER_PORT
+    http_port: int = 8000  # the router's OpenAI-compatible HTTP; 0 = off
     redis: str = ""
     policy: str = "cache_aware"
     block_size: int = 16
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         "unless this is not loopback)",
     )
     parser.add_argument("--port", type=int, default=d.port, help="router gRPC port")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=d.http_port,
+        help="router OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions); 0 = off",
+    )
     parser.add_argument(
         "--redis",
         default=d.redis,
@@ -155,6 +162,7 @@ def parse_config(argv: list[str]) -> UpConfig:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     return UpConfig(
         replicas=args.replicas, model=args.model, host=args.host, port=args.port,
+        http_port=args.http_port,
         redis=args.redis, policy=args.policy, block_size=args.block_size, threads=args.threads,
         metrics=args.metrics, restart=args.restart, grace_period=args.grace_period,
         startup_timeout=args.startup_timeout, color=color,
@@ -230,6 +238,8 @@ def make_plan(cfg: UpConfig) -> Plan:
         "router", "--host", cfg.host, "--port", str(cfg.port), "--redis", redis_url,
         "--policy", cfg.policy,
     )  # fmt: skip
+    if cfg.http_port:
+        router_argv += ["--http-port", str(cfg.http_port)]
     if cfg.metrics:
         metrics[ROUTER] = free_port(inner_host)
         router_argv += ["--metrics-port", str(metrics[ROUTER])]
@@ -251,6 +261,13 @@ def banner(cfg: UpConfig, plan: Plan) -> str:
         '  grpcurl -plaintext -d \'{"text": "Hello", "sampling": {"max_tokens": 32}}\' '
         f"{r} prefixmesh.v1.Generator/Generate",
     ]
+    if cfg.http_port:
+        dial = r.rsplit(":", 1)[0]
+        lines.append(
+            f"  curl http://{dial}:{cfg.http_port}/v1/chat/completions"
+            + """ -H 'Content-Type: application/json' -d '{"model": "smollm2", """
+            + """"messages": [{"role": "user", "content": "Hello"}]}'"""
+        )
     if plan.metrics:
         lines.append(
             "metrics: "

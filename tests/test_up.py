@@ -7,12 +7,14 @@ cleanly and leaves no process behind.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -90,14 +92,14 @@ def _restart_replica_1(up: subprocess.Popen[bytes], log_path: Path, router: str)
 def run_up_generate_top(
     model: str, tmp_path: Path, max_tokens: int, kill_and_restart: bool = False
 ) -> None:
-    port = free_port()
+    port, http_port = free_port(), free_port()
     router = f"127.0.0.1:{port}"
     log_path = tmp_path / "up.log"
     children: set[int] = set()
     with log_path.open("wb") as log:
         up = subprocess.Popen(
             [*CLI, "up", "--replicas", "2", "--model", model, "--port", str(port),
-             "--grace-period", "20", *(["--restart"] if kill_and_restart else [])],
+             "--http-port", str(http_port), "--grace-period", "20", *(["--restart"] if kill_and_restart else [])],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     try:
@@ -113,6 +115,19 @@ def run_up_generate_top(
         assert gen.stdout.strip(), "no text streamed"
         assert "replica replica-" in gen.stderr, gen.stderr
         assert f"{max_tokens} tokens (length)" in gen.stderr, gen.stderr
+
+        # The router's OpenAI-compatible HTTP door, as the banner's curl example uses it.
+        body = json.dumps(
+            {"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            completion = json.loads(response.read())
+        assert completion["usage"]["completion_tokens"] >= 1, completion
 
         top = subprocess.run(
             [*CLI, "top", "--router", router, "--once"],
