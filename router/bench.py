@@ -1,0 +1,278 @@
+"""Router overhead benchmark: ``python -m router.bench``.
+
+Starts Redis, echo replicas (instant, model-free: router/echo_replica.py, in their own process)
+and one router process, then measures from this (client) process:
+
+1. Time to first token through the router minus direct to a replica, p50 and p99, over
+   alternating sequential requests (one in flight at a time, so queueing does not count). A
+   request is a ``--prompt-tokens`` token-id prompt from one of ``--groups`` shared prefixes,
+   so every routed request does the full work: hash all blocks, one Lua lookup over every
+   replica's block set, policy, predicted-entry write.
+2. Routed requests per second one router process sustains with ``--concurrency`` requests in
+   flight for ``--seconds`` (``max_tokens = 1``). The client, the echo replicas and the router
+   share the machine's cores, so this is a lower bound of what the router alone can do.
+
+Prints a JSON summary and a Markdown table for docs/router.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+from prefixmesh.redis_server import EmbeddedRedis, free_port
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _histogram_quantile(metrics: str, name: str, q: float) -> float:
+    """Quantile of a Prometheus histogram from its /metrics text (linear within a bucket)."""
+    buckets: list[tuple[float, float]] = []
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    buckets.sort()
+    total = buckets[-1][1]
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return lower + (upper - lower) * share
+        lower, below = upper, count
+    return lower
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def _request(prefixes: list[list[int]], rng: random.Random) -> pb.GenerateRequest:
+    prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(8)]
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=1)
+    )
+
+
+async def _ttft(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest) -> float:
+    start = time.perf_counter()
+    call = stub.Generate(request, timeout=10)
+    async for _ in call:
+        first = time.perf_counter() - start
+        call.cancel()
+        return first
+    raise RuntimeError("empty stream")
+
+
+class _Passthrough(pb_grpc.GeneratorServicer):
+    """The floor of any Python gRPC proxy: forward to one fixed replica, no routing at all."""
+
+    def __init__(self, target: str) -> None:
+        self.stub = pb_grpc.GeneratorStub(grpc.aio.insecure_channel(target))
+
+    async def Generate(self, request, context):  # noqa: N802
+        async for response in self.stub.Generate(request, timeout=context.time_remaining()):
+            yield response
+
+
+async def _serve_passthrough(target: str) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_GeneratorServicer_to_server(_Passthrough(target), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+async def _measure(
+    args: argparse.Namespace, router_addr: str, metrics_port: int = 0, passthrough: str = ""
+) -> dict[str, float]:
+    """TTFT samples via the router, direct and via the passthrough proxy, then throughput."""
+    rng = random.Random(0)
+    prefixes = [
+        [rng.randrange(1000) for _ in range(args.prompt_tokens)] for _ in range(args.groups)
+    ]
+    router_ch = grpc.aio.insecure_channel(router_addr)
+    cluster = pb_grpc.ClusterStub(router_ch)
+    deadline = time.monotonic() + 20
+    while True:
+        state = await cluster.ListReplicas(pb.Empty())
+        if len(state.replicas) == args.replicas:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"router sees {len(state.replicas)} of {args.replicas} replicas")
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # the router fetches each model's info once
+    direct_ch = grpc.aio.insecure_channel(state.replicas[0].address)
+    via_router, direct = pb_grpc.GeneratorStub(router_ch), pb_grpc.GeneratorStub(direct_ch)
+
+    proxy_ch = grpc.aio.insecure_channel(passthrough or state.replicas[0].address)
+    via_proxy = pb_grpc.GeneratorStub(proxy_ch)
+    for _ in range(50):  # warm up channels, caches, the script cache
+        for stub in (via_router, direct, via_proxy):
+            await _ttft(stub, _request(prefixes, rng))
+    routed, straight, proxied = [], [], []
+    for _ in range(args.requests):
+        routed.append(await _ttft(via_router, _request(prefixes, rng)))
+        straight.append(await _ttft(direct, _request(prefixes, rng)))
+        proxied.append(await _ttft(via_proxy, _request(prefixes, rng)))
+    await proxy_ch.close()
+
+    internal: dict[str, float] = {}
+    if metrics_port:  # the router's own view: arrival to upstream call issued
+        before = await asyncio.to_thread(_scrape, metrics_port)
+        for q in (0.5, 0.99):
+            value = _histogram_quantile(before, "router_overhead_seconds", q)
+            internal[f"router_internal_p{int(q * 100)}_ms"] = value * 1000.0
+            value = _histogram_quantile(before, "router_redis_lookup_seconds", q)
+            internal[f"redis_lookup_p{int(q * 100)}_ms"] = value * 1000.0
+    await cluster.ResetStats(pb.Empty())
+    done = 0
+    stop_at = time.perf_counter() + args.seconds
+
+    async def worker(seed: int) -> None:
+        nonlocal done
+        wrng = random.Random(seed)
+        while time.perf_counter() < stop_at:
+            async for _ in via_router.Generate(_request(prefixes, wrng), timeout=10):
+                pass
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
+    elapsed = time.perf_counter() - start
+    state = await cluster.ListReplicas(pb.Empty())
+    await router_ch.close()
+    await direct_ch.close()
+    ms = 1000.0
+    return {
+        "ttft_router_p50_ms": _percentile(routed, 0.5) * ms,
+        "ttft_router_p99_ms": _percentile(routed, 0.99) * ms,
+        "ttft_direct_p50_ms": _percentile(straight, 0.5) * ms,
+        "ttft_direct_p99_ms": _percentile(straight, 0.99) * ms,
+        "overhead_p50_ms": (_percentile(routed, 0.5) - _percentile(straight, 0.5)) * ms,
+        "overhead_p99_ms": (_percentile(routed, 0.99) - _percentile(straight, 0.99)) * ms,
+        "overhead_mean_ms": (statistics.fmean(routed) - statistics.fmean(straight)) * ms,
+        "ttft_passthrough_p50_ms": _percentile(proxied, 0.5) * ms,
+        "ttft_passthrough_p99_ms": _percentile(proxied, 0.99) * ms,
+        "proxy_hop_p50_ms": (_percentile(proxied, 0.5) - _percentile(straight, 0.5)) * ms,
+        "proxy_hop_p99_ms": (_percentile(proxied, 0.99) - _percentile(straight, 0.99)) * ms,
+        "routed_requests_per_s": done / elapsed,
+        "throughput_errors": state.routing.errors,
+        "throughput_hit_rate": state.routing.hit_rate,
+        **internal,
+    }
+
+
+def _run(coro) -> None:  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m router.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--replicas", type=int, default=3, help="echo replicas")
+    parser.add_argument("--requests", type=int, default=500, help="sequential TTFT samples")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="shared prefix length")
+    parser.add_argument("--groups", type=int, default=8, help="distinct shared prefixes")
+    parser.add_argument("--concurrency", type=int, default=32, help="throughput phase")
+    parser.add_argument("--seconds", type=float, default=5.0, help="throughput phase length")
+    parser.add_argument("--policy", default="cache_aware", help="router policy")
+    parser.add_argument("--json", default="", help="also write the summary here")
+    parser.add_argument("--serve-passthrough", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_passthrough:  # child process: the no-routing proxy baseline
+        _run(_serve_passthrough(args.serve_passthrough))
+        return 0
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs: list[subprocess.Popen[str]] = []
+    with EmbeddedRedis() as redis:
+        try:
+            echo = _start([sys.executable, "-m", "router.echo_replica", "--redis", redis.url,
+                           "--count", str(args.replicas)], env)  # fmt: skip
+            procs.append(echo)
+            assert echo.stdout is not None
+            addresses = echo.stdout.readline().split()  # the replicas are registered
+            proxy = _start([sys.executable, "-m", "router.bench", "--serve-passthrough",
+                            addresses[0]], env)  # fmt: skip
+            procs.append(proxy)
+            assert proxy.stdout is not None
+            proxy_addr = f"127.0.0.1:{proxy.stdout.readline().strip()}"
+            port, metrics_port = free_port(), free_port()
+            router = _start([sys.executable, "-m", "prefixmesh.cli", "router", "--port",
+                             str(port), "--redis", redis.url, "--policy", args.policy,
+                             "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+                            env)  # fmt: skip
+            procs.append(router)
+            assert router.stdout is not None
+            router.stdout.readline()  # "router listening on ..."
+            result = asyncio.run(_measure(args, f"127.0.0.1:{port}", metrics_port, proxy_addr))
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=10)
+    result.update(
+        replicas=args.replicas, prompt_tokens=args.prompt_tokens, requests=args.requests,
+        concurrency=args.concurrency, cpus=os.cpu_count() or 0,
+    )  # fmt: skip
+    print(json.dumps(result, indent=2))
+    print(
+        "\n| metric | p50 | p99 |\n|---|---|---|\n"
+        f"| TTFT via router (ms) | {result['ttft_router_p50_ms']:.3f} "
+        f"| {result['ttft_router_p99_ms']:.3f} |\n"
+        f"| TTFT direct (ms) | {result['ttft_direct_p50_ms']:.3f} "
+        f"| {result['ttft_direct_p99_ms']:.3f} |\n"
+        f"| TTFT via a routing-free Python gRPC proxy (ms) "
+        f"| {result['ttft_passthrough_p50_ms']:.3f} | {result['ttft_passthrough_p99_ms']:.3f} |\n"
+        f"| router overhead: TTFT difference (ms) | {result['overhead_p50_ms']:.3f} "
+        f"| {result['overhead_p99_ms']:.3f} |\n"
+        f"| router overhead: arrival to upstream call, router histogram (ms) "
+        f"| {result['router_internal_p50_ms']:.3f} | {result['router_internal_p99_ms']:.3f} |\n"
+        f"| of which the Redis lookup, router histogram (ms) "
+        f"| {result['redis_lookup_p50_ms']:.3f} | {result['redis_lookup_p99_ms']:.3f} |\n"
+        f"| proxy hop alone: passthrough minus direct (ms) | {result['proxy_hop_p50_ms']:.3f} "
+        f"| {result['proxy_hop_p99_ms']:.3f} |\n\n"
+        f"routed requests/s (one router, {args.concurrency} in flight): "
+        f"{result['routed_requests_per_s']:.0f}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The router's configuration: one typed object built from CLI flags and environment variables.
+
+Every knob is a flag (``--policy``) and an environment variable of the same name
+(``PREFIXMESH_POLICY``); a flag wins over the environment, which wins over the default.
+``prefixmesh router --help`` lists every knob with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "PREFIXMESH_"
+POLICIES = ("cache_aware", "round_robin", "least_loaded", "random")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything one router process needs: network, Redis, policy and failure knobs."""
+
+    host: str = "127.0.0.1"
+    port: int = 50050
+    redis: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "pm"
+    router_id: str = ""
+    policy: str = "cache_aware"
+    metrics_port: int = 0
+    # OpenAI HTTP front door and API key (prefixmesh/openai_http.py, prefixmesh/auth.py).
+    http_port: int = 0
+    api_key: str = ""
+    # Cost model and load bound (docs/router.md explains them).
+    balance_epsilon: float = 0.5
+    balance_slack_tokens: int = 512
+    tie_tokens: int = 32
+    prefill_weight: float = 1.0
+    predicted_ttl_ms: int = 5000
+    default_max_tokens: int = 16
+    # Discovery and shared state.
+    discovery_interval_s: float = 0.25
+    inflight_flush_s: float = 0.1
+    inflight_ttl_ms: int = 3000
+    redis_timeout_s: float = 0.5
+    dead_grace_s: float = 1.0
+    # Failure handling.
+    max_attempts: int = 3
+    keepalive_s: float = 30.0
+    log_level: str = "INFO"
+
+    def resolved_router_id(self) -> str:
+        """The id other routers see in Redis (default: hostname-pid-random, unique per process)."""
+        return self.router_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+_HELP: dict[str, str] = {
+    "host": "interface to bind the gRPC server on",
+    "port": "gRPC port (0 = pick a free one)",
+    "redis": "Redis URL where replicas hold their leases and block sets",
+    "namespace": "prefix of every Redis key (must match the replicas')",
+    "router_id": "id of this router in Redis (default: host-pid-<random>)",
+    "policy": "routing policy: " + ", ".join(POLICIES),
+    "metrics_port": "Prometheus /metrics port (0 = off)",
+    "http_port": "OpenAI-compatible HTTP port: /v1/completions, /v1/chat/completions, "
+    "/v1/models, /health, /metrics (0 = off)",
+    "api_key": "if set, HTTP /v1/* needs 'Authorization: Bearer <key>' and gRPC calls "
+    "(but health and reflection) need metadata 'authorization: Bearer <key>'",
+    "balance_epsilon": "load bound: a replica whose load would exceed (1 + epsilon) x mean "
+    "load + slack is skipped (load = outstanding tokens, docs/router.md)",
+    "balance_slack_tokens": "load (tokens) below which the bound never bites, so a burst on "
+    "an idle cluster stays together",
+    "tie_tokens": "costs within this many tokens count as equal; ties go to the replica the "
+    "prefix hashes to (rendezvous), the same on every router",
+    "prefill_weight": "cost of one uncached prompt token relative to one queued token",
+    "predicted_ttl_ms": "how long a routing decision counts as 'this replica will hold the "
+    "prefix' before the replica's own KV events confirm it",
+    "default_max_tokens": "max_tokens assumed for load when a request sets none (the "
+    "replica's default)",
+    "discovery_interval_s": "how often the lease list is re-read from Redis",
+    "inflight_flush_s": "how often this router publishes its in-flight tokens to Redis",
+    "inflight_ttl_ms": "TTL of the published in-flight tokens (a dead router's vanish)",
+    "redis_timeout_s": "socket timeout of Redis calls; beyond it the router falls back to "
+    "its local view",
+    "dead_grace_s": "a replica that failed a connection stays out until its lease is "
+    "refreshed this long after the failure (or its epoch changes)",
+    "max_attempts": "after this many replica failures (retries + failovers) in one request, "
+    "the error goes to the client",
+    "keepalive_s": "gRPC keepalive ping interval on busy replica channels (finds a host that "
+    "vanished without closing its connections)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``prefixmesh router`` argument parser; defaults already include the environment."""
+    parser = argparse.ArgumentParser(
+        prog="prefixmesh router",
+        description="Serve the KV-cache-aware router over gRPC (Generator + Cluster services, "
+        "health, reflection). Replicas are discovered through their Redis leases. Every flag "
+        f"can also be set by the environment variable {ENV_PREFIX}<FLAG> "
+        f"(e.g. {ENV_PREFIX}REDIS).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = RouterConfig()
+    for f in fields(RouterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        env = os.environ.get(_env_name(f.name))
+        kind = type(default)
+        try:
+            value = kind(env) if env is not None else default
+        except ValueError as exc:
+            parser.error(f"{_env_name(f.name)}={env!r}: {exc}")
+        help_ = f"{_HELP[f.name]} [env {_env_name(f.name)}]"
+        parser.add_argument(flag, type=kind, default=value, help=help_)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> RouterConfig:
+    """Build the config from ``argv`` (flags) and ``os.environ`` (``PREFIXMESH_*``)."""
+    config = RouterConfig(**vars(build_parser().parse_args(argv)))
+    problems = []
+    if config.policy not in POLICIES:
+        problems.append(f"--policy must be one of {', '.join(POLICIES)} (got {config.policy!r})")
+    if not 0 <= config.port < 65536:
+        problems.append(f"--port must be in [0, 65535] (got {config.port})")
+    if config.balance_epsilon < 0:
+        problems.append(f"--balance-epsilon must be >= 0 (got {config.balance_epsilon})")
+    if config.max_attempts < 1:
+        problems.append(f"--max-attempts must be >= 1 (got {config.max_attempts})")
+    if config.predicted_ttl_ms < 1:
+        problems.append(f"--predicted-ttl-ms must be >= 1 (got {config.predicted_ttl_ms})")
+    if problems:
+        raise SystemExit("prefixmesh router: " + "; ".join(problems))
+    return config

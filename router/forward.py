@@ -1,0 +1,211 @@
+"""Stream one request through a replica, with retries and mid-stream failover.
+
+- A replica that fails before anything was streamed to the client (connection refused, queue
+  full, dead process) is excluded and the request is routed again, unchanged.
+- A replica that fails mid-stream is replaced by another one that *resumes*: the prompt goes as
+  ``token_ids`` and the tokens generated so far as ``resume_token_ids``; the replica continues
+  from there (counting them toward ``max_tokens``) and the client's stream simply goes on.
+  With ``n > 1`` each unfinished sample is resumed on its own as an ``n = 1`` request and its
+  responses keep their original ``index``. Greedy resumes reproduce an undisturbed run
+  exactly; sampled ones continue validly but from a different random stream. The resuming
+  replica's detokenizer takes the resumed tokens as left context, so a character split across
+  the boundary still comes out whole; invalid UTF-8 byte runs may show a different number of
+  U+FFFD characters (the detokenizer's own contract). Text a replica held back for a possible
+  stop-string match when it died is lost.
+- The final message's usage is fixed up after a resume so it counts the original prompt and
+  every generated token. A sample whose tokens all arrived but whose final message was lost is
+  finished by the router (``finish_reason = "length"``) instead of being resumed.
+- Deadlines pass through (the remaining time becomes the upstream timeout); a client
+  cancellation cancels the upstream call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import prefixmesh_pb2 as pb
+from router.routing import NoReplicaError, RoutePlan, Router
+
+log = logging.getLogger("prefixmesh.router")
+
+# Codes that mean "this replica could not do it", not "this request is wrong".
+_REPLICA_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
+_BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One upstream call: the request sent and how its sample indexes map to the client's."""
+
+    request: pb.GenerateRequest
+    samples: list[int]  # client sample index of upstream index i
+    plan: RoutePlan | None = None
+
+
+@dataclass(slots=True)
+class _Progress:
+    generated: dict[int, list[int]] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    streamed: bool = False
+
+
+class Forwarder:
+    """Runs ``Generator.Generate`` for the router's servicer."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.metrics = router.metrics
+
+    async def generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.perf_counter()
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        n = request.sampling.n if request.sampling.HasField("n") and request.sampling.n > 0 else 1
+        progress = _Progress()
+        queue = [_Attempt(request, list(range(n)))]
+        excluded: set[str] = set()
+        tries = failures = 0
+        prompt_ids: list[int] | None = None
+        group = None
+        while queue:
+            attempt = queue[0]
+            tries += 1
+            try:
+                plan = await self.router.route(attempt.request, frozenset(excluded), group)
+            except NoReplicaError as exc:
+                self.metrics.error("UNAVAILABLE")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            attempt.plan = plan
+            if prompt_ids is None and attempt.request is request:
+                prompt_ids = plan.prompt_ids
+            handle = plan.handle
+            timeout = context.time_remaining()
+            call = handle.generator.Generate(attempt.request, timeout=timeout)
+            if tries == 1:
+                self.metrics.overhead.observe(time.perf_counter() - arrival)
+            try:
+                async for resp in call:
+                    if not progress.streamed:
+                        self.metrics.ttft.observe(time.perf_counter() - arrival)
+                    progress.streamed = True
+                    plan.settle_prefill()
+                    yield self._observe(resp, attempt, progress, prompt_ids)
+                queue.pop(0)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                failures += 1
+                if (
+                    code not in _REPLICA_FAILURES | _BUSY
+                    or failures >= self.router.config.max_attempts
+                ):
+                    self.metrics.error(code.name)
+                    await context.abort(code, exc.details() or code.name)
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    self.router.view.mark_dead(handle.replica_id)
+                excluded.add(handle.replica_id)
+                if not _started(attempt, progress):
+                    self.metrics.retried(handle.replica_id)
+                    log.info("retry %s elsewhere (%s on %s)", request.request_id, code.name,
+                             handle.replica_id)  # fmt: skip
+                    continue
+                if prompt_ids is None:
+                    self.metrics.error(code.name)
+                    await context.abort(code, "replica failed mid-stream and the router could "
+                                        "not tokenize the prompt to resume it")  # fmt: skip
+                self.metrics.failed_over(handle.replica_id)
+                log.info("resume %s elsewhere (%s on %s)", request.request_id, code.name,
+                         handle.replica_id)  # fmt: skip
+                group = handle.lease.group
+                queue.pop(0)
+                budget = _max_tokens(request, self.router.config.default_max_tokens)
+                resumes = []
+                for i in attempt.samples:
+                    done = progress.generated.get(i, [])
+                    if i in progress.finished:
+                        continue
+                    if len(done) >= budget:  # only the final message was lost
+                        yield _final(request, i, handle.replica_id, prompt_ids, len(done))
+                        progress.finished.add(i)
+                        continue
+                    resumes.append(_Attempt(_resume_request(request, prompt_ids, done), [i]))
+                queue[:0] = resumes
+            finally:
+                plan.release()
+                if not call.done():
+                    call.cancel()
+
+    def _observe(
+        self,
+        resp: pb.GenerateResponse,
+        attempt: _Attempt,
+        progress: _Progress,
+        prompt_ids: list[int] | None,
+    ) -> pb.GenerateResponse:
+        """Track progress and fix the message up for the client (index, replica, usage)."""
+        plan = attempt.plan
+        assert plan is not None
+        index = attempt.samples[resp.index] if resp.index < len(attempt.samples) else resp.index
+        resp.index = index
+        if not resp.replica_id:
+            resp.replica_id = plan.handle.replica_id
+        progress.generated.setdefault(index, []).extend(resp.token_ids)
+        if resp.finish_reason:
+            progress.finished.add(index)
+            resumed = len(attempt.request.resume_token_ids) > 0
+            if resumed and prompt_ids is not None:
+                resp.usage.prompt_tokens = len(prompt_ids)
+                resp.usage.completion_tokens = len(progress.generated[index])
+                resp.usage.cached_tokens = min(resp.usage.cached_tokens, len(prompt_ids))
+            stats = plan.handle.stats
+            stats.prompt_tokens += resp.usage.prompt_tokens
+            stats.cached_tokens += resp.usage.cached_tokens
+            self.metrics.finished(
+                plan.handle.replica_id, resp.usage.prompt_tokens, resp.usage.cached_tokens
+            )
+        return resp
+
+
+def _started(attempt: _Attempt, progress: _Progress) -> bool:
+    """Whether the client already received something of this attempt's samples."""
+    return any(i in progress.generated or i in progress.finished for i in attempt.samples)
+
+
+def _max_tokens(request: pb.GenerateRequest, default: int) -> int:
+    sp = request.sampling
+    return sp.max_tokens if sp.HasField("max_tokens") else default
+
+
+def _final(
+    request: pb.GenerateRequest, index: int, replica_id: str, prompt_ids: list[int], done: int
+) -> pb.GenerateResponse:
+    """The last message of a sample whose tokens all arrived before its replica died."""
+    final = pb.GenerateResponse(
+        request_id=request.request_id, index=index, finish_reason="length", replica_id=replica_id
+    )
+    final.usage.prompt_tokens = len(prompt_ids)
+    final.usage.completion_tokens = done
+    return final
+
+
+def _resume_request(
+    request: pb.GenerateRequest, prompt_ids: list[int], generated: list[int]
+) -> pb.GenerateRequest:
+    resumed = pb.GenerateRequest()
+    resumed.CopyFrom(request)
+    resumed.token_ids.ids[:] = prompt_ids  # selects the token_ids branch of the oneof
+    resumed.resume_token_ids[:] = list(request.resume_token_ids) + generated
+    resumed.sampling.n = 1
+    return resumed

@@ -1,0 +1,244 @@
+"""Routing policies: pure functions from (request, live replica states) to one replica.
+
+Every policy sees the same inputs, built by the router from one Redis lookup:
+
+- ``RouteRequest``: how many prompt tokens and full blocks the request has, the tokens it will
+  decode, and an ``affinity`` key for deterministic tie-breaks (the hash of the deepest block
+  any replica holds, so it is shared by every request with that cached prefix).
+- ``Candidate`` per live replica: the leading blocks it holds (``cached_blocks``, from its KV
+  events) or will hold (``predicted_blocks``: cached, or recorded by a recent routing decision
+  of any router), and its load.
+
+**Load measure** (``Candidate.load``): outstanding tokens on the replica, the larger of (a) the
+tokens routers have sent it and not seen finish (uncached prompt tokens + tokens to decode,
+summed over every router through Redis) and (b) the ``queued_tokens`` the replica itself
+reports (prompt tokens still to prefill plus tokens still to decode). (a) reacts at once to
+routing decisions; (b) catches work routers don't know about. Warm requests weigh little (their
+prefix is not prefilled again), which is what lets a burst stay on its warm replica.
+
+**Cost model** (cache_aware): ``cost = prefill_weight * uncached prompt tokens + load``, where
+load leaves out the prefill of blocks that are only *predicted* there (an earlier request of the
+same burst is computing them: that queued work is shared, not waited on twice).
+
+**Bounded load** (cache_aware): a replica is eligible only if, with this request added,
+``load + w <= (1 + epsilon) * (total load + w) / N + slack`` (``w`` = the tokens this request
+adds there). The least-loaded replica always qualifies when nothing else does, so no replica
+sits above (1 + epsilon) x the mean load (plus ``slack`` tokens, so an idle cluster does not
+scatter a burst) while others idle. Hot-prefix spillover falls out of this: when the warm
+replica is out of bounds or its queue outweighs the prefill elsewhere, the request goes to the
+next cheapest replica, which records a predicted entry and becomes warm for the next requests;
+with more demand a third replica warms. Costs within ``tie_tokens`` are ties, won by the replica
+holding the longest prefix, then by the highest rendezvous hash of (prefix, replica): when
+demand cools, every router sends the prefix back to the same single replica and the extra
+copies age out of the other caches.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+WARM, SPILLOVER, COLD, FALLBACK = "warm", "spillover", "cold", "fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy knows about a request (``prompt_tokens == 0``: not tokenized)."""
+
+    prompt_tokens: int
+    num_blocks: int
+    block_size: int
+    decode_tokens: int
+    affinity: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One live replica as the policy sees it."""
+
+    replica_id: str
+    cached_blocks: int = 0
+    predicted_blocks: int = 0
+    inflight_tokens: int = 0
+    queued_tokens: int = 0
+
+    @property
+    def load(self) -> int:
+        return max(self.inflight_tokens, self.queued_tokens)
+
+    @property
+    def matched_blocks(self) -> int:
+        return max(self.cached_blocks, self.predicted_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen replica, why, and what the router expects from it."""
+
+    replica_id: str
+    outcome: str
+    matched_blocks: int
+    predicted_cached_tokens: int
+    weight_tokens: int
+
+
+def hit_tokens(request: RouteRequest, matched_blocks: int) -> int:
+    """Prompt tokens a replica holding ``matched_blocks`` leading blocks skips (never the last:
+    its logits are needed)."""
+    if request.prompt_tokens <= 0:
+        return 0
+    return max(0, min(matched_blocks * request.block_size, request.prompt_tokens - 1))
+
+
+def weight(request: RouteRequest, candidate: Candidate) -> int:
+    """Tokens this request adds to ``candidate``'s load."""
+    uncached = request.prompt_tokens - hit_tokens(request, candidate.matched_blocks)
+    return uncached + request.decode_tokens
+
+
+def rendezvous(affinity: bytes, replica_id: str) -> int:
+    """Highest-random-weight score: the same on every router, stable as replicas come and go."""
+    return xxhash.xxh3_64_intdigest(affinity + b"\0" + replica_id.encode())
+
+
+def classify(request: RouteRequest, candidates: Sequence[Candidate], chosen: Candidate) -> str:
+    """warm: sent where the prefix is (most) cached; spillover: a warmer replica was passed
+    over; cold: no replica held any of it; fallback: the request was not tokenized."""
+    if request.prompt_tokens <= 0:
+        return FALLBACK
+    best = max(c.matched_blocks for c in candidates)
+    if best == 0:
+        return COLD
+    return WARM if chosen.matched_blocks >= best else SPILLOVER
+
+
+def decide(request: RouteRequest, candidates: Sequence[Candidate], chosen: Candidate) -> Decision:
+    return Decision(
+        replica_id=chosen.replica_id,
+        outcome=classify(request, candidates, chosen),
+        matched_blocks=chosen.matched_blocks,
+        predicted_cached_tokens=hit_tokens(request, chosen.matched_blocks),
+        weight_tokens=weight(request, chosen),
+    )
+
+
+class Policy(ABC):
+    """Picks one of ``candidates`` (never empty) for ``request``; no I/O, no side effects
+    beyond the policy's own counters."""
+
+    name: str = ""
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision: ...
+
+
+class RoundRobinPolicy(Policy):
+    """Each replica in turn (by sorted id), ignoring caches and load."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        ordered = sorted(candidates, key=lambda c: c.replica_id)
+        chosen = ordered[self._next % len(ordered)]
+        self._next += 1
+        return decide(request, candidates, chosen)
+
+
+class RandomPolicy(Policy):
+    """A uniformly random replica."""
+
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        return decide(request, candidates, self._rng.choice(list(candidates)))
+
+
+class LeastLoadedPolicy(Policy):
+    """The replica with the least load; ties go to the prefix's rendezvous winner, so even
+    without a cache index a repeated prefix tends to land on the same replica."""
+
+    name = "least_loaded"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        chosen = min(
+            candidates, key=lambda c: (c.load, -rendezvous(request.affinity, c.replica_id))
+        )
+        return decide(request, candidates, chosen)
+
+
+class CacheAwarePolicy(Policy):
+    """Lowest predicted cost among replicas within the load bound (module docstring)."""
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        epsilon: float = 0.5,
+        slack_tokens: int = 512,
+        tie_tokens: int = 32,
+        prefill_weight: float = 1.0,
+    ) -> None:
+        self.epsilon = epsilon
+        self.slack_tokens = slack_tokens
+        self.tie_tokens = tie_tokens
+        self.prefill_weight = prefill_weight
+
+    def cost(self, request: RouteRequest, candidate: Candidate) -> float:
+        uncached = request.prompt_tokens - hit_tokens(request, candidate.matched_blocks)
+        # Blocks predicted but not cached yet are being prefilled there for an earlier request
+        # of the same burst: that queued work is work this request shares, not waits behind
+        # any longer than it would prefilling the prefix itself elsewhere.
+        shared = hit_tokens(request, candidate.matched_blocks) - hit_tokens(
+            request, candidate.cached_blocks
+        )
+        return self.prefill_weight * uncached + max(0, candidate.load - shared)
+
+    def within_bound(
+        self, request: RouteRequest, candidate: Candidate, total_load: int, n: int
+    ) -> bool:
+        w = weight(request, candidate)
+        limit = (1.0 + self.epsilon) * (total_load + w) / n + self.slack_tokens
+        return candidate.load + w <= limit
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        total = sum(c.load for c in candidates)
+        eligible = [c for c in candidates if self.within_bound(request, c, total, len(candidates))]
+        if not eligible:
+            eligible = [min(candidates, key=lambda c: c.load)]
+        costs = {c.replica_id: self.cost(request, c) for c in eligible}
+        best = min(costs.values())
+        tied = [c for c in eligible if costs[c.replica_id] <= best + self.tie_tokens]
+        chosen = max(
+            tied, key=lambda c: (c.matched_blocks, rendezvous(request.affinity, c.replica_id))
+        )
+        return decide(request, candidates, chosen)
+
+
+def make_policy(
+    name: str,
+    *,
+    epsilon: float = 0.5,
+    slack_tokens: int = 512,
+    tie_tokens: int = 32,
+    prefill_weight: float = 1.0,
+) -> Policy:
+    """A policy by name: cache_aware, round_robin, least_loaded or random."""
+    if name == "cache_aware":
+        return CacheAwarePolicy(epsilon, slack_tokens, tie_tokens, prefill_weight)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    if name == "random":
+        return RandomPolicy()
+    raise ValueError(f"unknown policy {name!r} (cache_aware, round_robin, least_loaded, random)")

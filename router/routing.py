@@ -1,0 +1,338 @@
+"""The routing core: tokenize, hash, one Redis lookup, policy, bookkeeping.
+
+``Router.route`` turns a ``GenerateRequest`` into a ``RoutePlan`` (the chosen replica and what
+the router expects of it). It never blocks on Redis for long: when Redis is unreachable the
+router routes least-loaded over its last known replicas and a background task keeps trying to
+reconnect; the first successful lookup switches cache-aware routing back on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from prefixmesh.hashing import BlockHash
+from proto import prefixmesh_pb2 as pb
+from router.config import RouterConfig
+from router.discovery import GROUP_KEY, ReplicaHandle, ReplicaView
+from router.fastredis import PipelinedRedis
+from router.fastredis import available as fast_ok
+from router.index import HashGroup, PrefixIndex, ReplicaMatch
+from router.metrics import RouterMetrics
+from router.policy import (
+    FALLBACK,
+    Candidate,
+    Decision,
+    LeastLoadedPolicy,
+    Policy,
+    RouteRequest,
+    make_policy,
+)
+from router.prompt import PromptTokens, fallback_affinity, tokenize
+
+log = logging.getLogger("prefixmesh.router")
+
+
+class NoReplicaError(RuntimeError):
+    """No live replica can take the request."""
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """One routing decision and the in-flight tokens it holds on the chosen replica."""
+
+    handle: ReplicaHandle
+    decision: Decision
+    prompt_ids: list[int] | None
+    decode_tokens: int
+    held_tokens: int = 0
+    done: bool = False
+
+    def settle_prefill(self) -> None:
+        """First token seen: the prompt is prefilled, only decoding remains outstanding."""
+        if not self.done and self.held_tokens > self.decode_tokens:
+            self.handle.inflight_tokens -= self.held_tokens - self.decode_tokens
+            self.held_tokens = self.decode_tokens
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.handle.inflight_tokens -= self.held_tokens
+            self.handle.inflight_requests -= 1
+            self.held_tokens = 0
+
+
+class Router:
+    """Routes requests over the replicas found in Redis; owns the background refresh tasks."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.router_id = config.resolved_router_id()
+        self.metrics = metrics or RouterMetrics()
+        self.view = ReplicaView(config.keepalive_s, config.dead_grace_s)
+        self.redis = aioredis.Redis.from_url(
+            config.redis,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            # One immediate retry on a connection error only: after a Redis restart every pooled
+            # connection is stale and fails once. Timeouts are not retried (fallback at once).
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
+        # The pipelined lookup connection speaks plain TCP only (not rediss:// or unix://).
+        plain = config.redis.startswith("redis://")
+        self.fast = (
+            PipelinedRedis(config.redis, config.redis_timeout_s) if plain and fast_ok() else None
+        )
+        self.index = PrefixIndex(
+            self.redis, config.namespace, self.router_id,
+            config.predicted_ttl_ms, config.inflight_ttl_ms, self.fast,
+        )  # fmt: skip
+        self.policy = self.make_policy(config.policy)
+        self._fallback = LeastLoadedPolicy()
+        self.redis_ok = False
+        # Predicted entries this router wrote, checked locally so that its own next request
+        # sees them even before the write reaches Redis: replica -> hash -> expiry (monotonic).
+        self._predicted: dict[str, dict[BlockHash, float]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+
+    def make_policy(self, name: str) -> Policy:
+        c = self.config
+        return make_policy(
+            name, epsilon=c.balance_epsilon, slack_tokens=c.balance_slack_tokens,
+            tie_tokens=c.tie_tokens, prefill_weight=c.prefill_weight,
+        )  # fmt: skip
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._every(self.config.discovery_interval_s, self.refresh)),
+            loop.create_task(self._every(self.config.inflight_flush_s, self.flush_inflight)),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        try:
+            if self.redis_ok:
+                await self.index.retract()
+        except RedisError:
+            pass
+        await self.view.close()
+        if self.fast is not None:
+            await self.fast.close()
+        await self.redis.aclose()
+
+    async def _every(self, interval_s: float, fn) -> None:  # type: ignore[no-untyped-def]
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await fn()
+            except Exception:  # a background loop must survive anything
+                log.exception("background task %s failed", getattr(fn, "__name__", fn))
+
+    async def refresh(self) -> None:
+        """Re-read the live replicas (and detect Redis coming back)."""
+        self._prune_predicted()
+        try:
+            matches = await self.index.lookup()
+        except (RedisError, OSError) as exc:
+            self._set_redis(False, exc)
+            return
+        self._set_redis(True)
+        self._apply(matches)
+
+    async def flush_inflight(self) -> None:
+        tokens = {rid: h.inflight_tokens for rid, h in self.view.handles.items()}
+        for rid, value in tokens.items():
+            self.metrics.inflight.labels(rid).set(value)
+        if not self.redis_ok:
+            return
+        try:
+            await self.index.publish_inflight(tokens)
+        except (RedisError, OSError) as exc:
+            self._set_redis(False, exc)
+
+    def _set_redis(self, ok: bool, exc: Exception | None = None) -> None:
+        if ok != self.redis_ok:
+            if ok:
+                log.info("redis reachable: cache-aware routing on")
+            else:
+                log.warning("redis unreachable (%s): routing least-loaded on the local view", exc)
+                # Drop every pooled connection: they all point at the Redis that went away.
+                self._spawn(self.redis.connection_pool.disconnect())
+        self.redis_ok = ok
+        self.metrics.redis_up.set(1 if ok else 0)
+
+    def _apply(self, matches: Sequence[ReplicaMatch]) -> None:
+        self.view.apply((m.replica_id, m.lease, m.other_inflight_tokens) for m in matches)
+        self.metrics.replicas.set(len(self.view.live()))
+
+    def _prune_predicted(self) -> None:
+        now = time.monotonic()
+        for rid, entries in list(self._predicted.items()):
+            for h in [h for h, exp in entries.items() if exp <= now]:
+                del entries[h]
+            if not entries:
+                del self._predicted[rid]
+
+    # -- routing ------------------------------------------------------------------------------
+
+    async def route(
+        self,
+        request: pb.GenerateRequest,
+        exclude: frozenset[str] = frozenset(),
+        group: GROUP_KEY | None = None,
+    ) -> RoutePlan:
+        """Pick a replica for ``request`` (never one in ``exclude``; only ``group`` if set)."""
+        tokens = tokenize(request, self.view)
+        groups = [
+            HashGroup(g[0], g[1], h)
+            for g, h in tokens.hashes_by_group.items()
+            if group in (None, g)
+        ]
+        matches: dict[str, ReplicaMatch] | None = None
+        if self.redis_ok:
+            start = time.perf_counter()
+            try:
+                found = await self.index.lookup(groups)
+            except (RedisError, OSError) as exc:
+                self._set_redis(False, exc)
+            else:
+                self.metrics.lookup.observe(time.perf_counter() - start)
+                self._apply(found)
+                matches = {m.replica_id: m for m in found}
+        handles = self.view.live() if matches is not None else self.view.known()
+        handles = [
+            h for h in handles
+            if h.replica_id not in exclude and (group is None or h.lease.group == group)
+        ]  # fmt: skip
+        if not handles and matches is not None:
+            # Redis lost every lease (e.g. it restarted and replicas have not re-registered).
+            handles = [h for h in self.view.known() if h.replica_id not in exclude]
+            matches = None
+        if not handles:
+            raise NoReplicaError("no live replica (none registered in Redis, or all failed)")
+
+        primary = self._primary_group(handles, tokens)
+        ids = tokens.ids_by_group.get(primary) if primary else None
+        hashes = tokens.hashes_by_group.get(primary, []) if primary else []
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 0
+        n = sampling.n if sampling.HasField("n") and sampling.n > 0 else 1
+        decode = (max_tokens or self.config.default_max_tokens) * n
+        candidates = [self._candidate(h, matches, hashes, primary) for h in handles]
+        # Tie-break key: the deepest block some replica holds (the same for every request and
+        # router sharing that prefix, distinct between prefixes), else the whole prompt.
+        best = max(c.matched_blocks for c in candidates)
+        if hashes:
+            affinity = hashes[best - 1] if best else hashes[-1]
+        else:
+            affinity = fallback_affinity(ids, request.request_id)
+        route_req = RouteRequest(
+            prompt_tokens=len(ids) + len(request.resume_token_ids) if ids else 0,
+            num_blocks=len(hashes),
+            block_size=primary[1] if primary else 0,
+            decode_tokens=decode,
+            affinity=affinity,
+        )
+        policy = self.policy if matches is not None else self._fallback
+        decision = policy.choose(route_req, candidates)
+        if matches is None:  # no cache index: whatever the policy thought, this is a fallback
+            decision = dataclasses.replace(decision, outcome=FALLBACK)
+        handle = self.view.handles[decision.replica_id]
+        chosen = next(c for c in candidates if c.replica_id == decision.replica_id)
+        # Blocks the replica does not report yet: it is about to compute them.
+        self._commit(handle, decision, hashes[chosen.cached_blocks :], matches)
+        plan = RoutePlan(
+            handle=handle,
+            decision=decision,
+            prompt_ids=ids,
+            decode_tokens=decode,
+            held_tokens=decision.weight_tokens,
+        )
+        return plan
+
+    @staticmethod
+    def _primary_group(handles: Sequence[ReplicaHandle], tokens: PromptTokens) -> GROUP_KEY | None:
+        counts: dict[GROUP_KEY, int] = {}
+        for h in handles:
+            if h.lease.group in tokens.ids_by_group:
+                counts[h.lease.group] = counts.get(h.lease.group, 0) + 1
+        return max(counts, key=lambda g: counts[g]) if counts else None
+
+    def _candidate(
+        self,
+        handle: ReplicaHandle,
+        matches: dict[str, ReplicaMatch] | None,
+        hashes: Sequence[BlockHash],
+        primary: GROUP_KEY | None,
+    ) -> Candidate:
+        match = matches.get(handle.replica_id) if matches else None
+        same_group = handle.lease.group == primary
+        cached = match.cached_blocks if match and same_group else 0
+        predicted = match.predicted_blocks if match and same_group else 0
+        if same_group:
+            predicted = max(predicted, self._local_predicted(handle.replica_id, hashes, cached))
+        other = match.other_inflight_tokens if match else handle.other_inflight_tokens
+        return Candidate(
+            replica_id=handle.replica_id,
+            cached_blocks=cached,
+            predicted_blocks=predicted,
+            inflight_tokens=max(0, handle.inflight_tokens) + other,
+            queued_tokens=handle.lease.queued_tokens,
+        )
+
+    def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:
+        entries = self._predicted.get(replica_id)
+        if not entries:
+            return 0
+        now, matched = time.monotonic(), start
+        while matched < len(hashes) and entries.get(hashes[matched], 0.0) > now:
+            matched += 1
+        return matched
+
+    def _commit(
+        self,
+        handle: ReplicaHandle,
+        decision: Decision,
+        hashes: Sequence[BlockHash],
+        matches: dict[str, ReplicaMatch] | None,
+    ) -> None:
+        handle.inflight_tokens += decision.weight_tokens
+        handle.inflight_requests += 1
+        handle.stats.requests += 1
+        self.metrics.routed(decision.outcome, handle.replica_id, decision.predicted_cached_tokens)
+        new = list(hashes)
+        if not new:
+            return  # a full hit: nothing to predict, no Redis write
+        expiry = time.monotonic() + self.config.predicted_ttl_ms / 1000
+        entries = self._predicted.setdefault(handle.replica_id, {})
+        for h in new:
+            entries[h] = expiry
+        if matches is not None:
+            self._spawn(self._record(handle.replica_id, new))
+
+    async def _record(self, replica_id: str, hashes: list[BlockHash]) -> None:
+        try:
+            await self.index.record_predicted(replica_id, hashes)
+        except (RedisError, OSError) as exc:
+            self._set_redis(False, exc)
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,212 @@
+"""``prefixmesh router``: the KV-cache-aware router's gRPC server.
+
+Serves ``prefixmesh.v1.Generator`` (the replica's API, so clients talk to either) and
+``prefixmesh.v1.Cluster`` (live replicas, their load and prefix hit rates, routing decisions),
+plus standard health checking and reflection. Torch-free: a test checks that importing this
+module never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from prefixmesh.auth import ApiKeyInterceptor
+from prefixmesh.openai_doors import start_router_http
+from prefixmesh.openai_http import OpenAIHttpServer
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+from router.config import POLICIES, RouterConfig, parse_config
+from router.forward import Forwarder
+from router.metrics import RouterMetrics
+from router.routing import Router
+
+log = logging.getLogger("prefixmesh.router")
+
+
+class GeneratorServicer(pb_grpc.GeneratorServicer):
+    """``Generate`` routed to a replica, streamed back with failover."""
+
+    def __init__(self, forwarder: Forwarder) -> None:
+        # The forwarder's async generator is the handler itself: no extra hop per message.
+        self.Generate = forwarder.generate  # type: ignore[method-assign]
+
+
+class ClusterServicer(pb_grpc.ClusterServicer):
+    """The router's view of the cluster and its routing statistics."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def state(self) -> pb.ClusterState:
+        router = self.router
+        live = {h.replica_id for h in router.view.live()}
+        replicas = []
+        for h in sorted(router.view.handles.values(), key=lambda h: h.replica_id):
+            if h.replica_id not in live:
+                continue
+            lease, stats = h.lease, h.stats
+            replicas.append(
+                pb.ReplicaInfo(
+                    replica_id=h.replica_id,
+                    address=lease.address,
+                    http_address=lease.http_address,
+                    model=lease.model,
+                    block_size=lease.block_size,
+                    epoch=lease.epoch,
+                    load=pb.ReplicaLoad(
+                        replica_id=h.replica_id,
+                        running=lease.running,
+                        waiting=lease.waiting,
+                        kv_usage=lease.kv_usage,
+                        queued_tokens=lease.queued_tokens,
+                        num_blocks=lease.num_blocks,
+                    ),
+                    requests=stats.requests,
+                    prompt_tokens=stats.prompt_tokens,
+                    cached_tokens=stats.cached_tokens,
+                    hit_rate=stats.cached_tokens / stats.prompt_tokens
+                    if stats.prompt_tokens
+                    else 0.0,
+                    inflight_tokens=max(0, h.inflight_tokens) + h.other_inflight_tokens,
+                    cached_blocks=lease.cached_blocks,
+                )  # fmt: skip
+            )
+        w = router.metrics.window
+        routing = pb.RoutingStats(
+            decisions=dict(w.decisions),
+            requests=w.requests,
+            predicted_cached_tokens=w.predicted_cached_tokens,
+            actual_cached_tokens=w.actual_cached_tokens,
+            prompt_tokens=w.prompt_tokens,
+            retries=w.retries,
+            failovers=w.failovers,
+            errors=w.errors,
+            hit_rate=w.hit_rate,
+        )
+        return pb.ClusterState(
+            policy=router.policy.name,
+            replicas=replicas,
+            routing=routing,
+            redis_connected=router.redis_ok,
+            router_id=router.router_id,
+        )
+
+    async def ListReplicas(self, request: pb.Empty, context) -> pb.ClusterState:  # noqa: N802
+        return self.state()
+
+    async def SetPolicy(self, request: pb.SetPolicyRequest, context) -> pb.ClusterState:  # noqa: N802
+        if request.policy not in POLICIES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"policy must be one of {', '.join(POLICIES)} (got {request.policy!r})",
+            )
+        self.router.policy = self.router.make_policy(request.policy)
+        log.info("policy set to %s", request.policy)
+        return self.state()
+
+    async def ResetStats(self, request: pb.Empty, context) -> pb.ClusterState:  # noqa: N802
+        self.router.metrics.reset_window()
+        for handle in self.router.view.handles.values():
+            handle.stats.requests = handle.stats.prompt_tokens = handle.stats.cached_tokens = 0
+        return self.state()
+
+
+class RouterServer:
+    """The router process's pieces wired together; ``start`` binds, ``stop`` cleans up."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.router = Router(config, self.metrics)
+        # -- API key (prefixmesh/auth.py): every gRPC call but health and reflection --
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ],
+        )
+        self.port = 0
+        self.health = health.aio.HealthServicer()
+        self.http: OpenAIHttpServer | None = None
+
+    async def start(self) -> int:
+        pb_grpc.add_GeneratorServicer_to_server(
+            GeneratorServicer(Forwarder(self.router)), self.server
+        )
+        pb_grpc.add_ClusterServicer_to_server(ClusterServicer(self.router), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (
+            pb.DESCRIPTOR.services_by_name["Generator"].full_name,
+            pb.DESCRIPTOR.services_by_name["Cluster"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise SystemExit(
+                f"prefixmesh router: cannot bind {self.config.host}:{self.config.port}"
+            )
+        await self.router.start()
+        await self.server.start()
+        for name in ("", *names[:2]):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port, self.config.host)
+        if self.config.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai_doors.py) --
+            self.http = await start_router_http(
+                self, self.config.host, self.config.http_port, self.config.api_key
+            )
+        log.info(
+            "router %s on %s:%d, policy %s, redis %s", self.router.router_id,
+            self.config.host, self.port, self.config.policy, self.config.redis,
+        )  # fmt: skip
+        return self.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.close()
+        await self.server.stop(grace)
+        await self.router.close()
+
+
+async def serve(config: RouterConfig) -> None:
+    server = RouterServer(config)
+    await server.start()
+    print(f"router listening on {config.host}:{server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+    except ImportError:  # Windows: the default loop works, only slower
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Routing policies as pure functions on fake replica states (no processes, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policy import (
+    COLD,
+    FALLBACK,
+    SPILLOVER,
+    WARM,
+    CacheAwarePolicy,
+    Candidate,
+    LeastLoadedPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    hit_tokens,
+    make_policy,
+    weight,
+)
+
+BS = 16
+
+
+def req(prompt_tokens: int = 320, decode: int = 16, affinity: bytes = b"p0") -> RouteRequest:
+    return RouteRequest(prompt_tokens, prompt_tokens // BS, BS, decode, affinity)
+
+
+def cand(rid: str, cached: int = 0, predicted: int = 0, inflight: int = 0, queued: int = 0):
+    return Candidate(rid, cached, predicted, inflight, queued)
+
+
+def test_hit_tokens_never_cover_the_last_prompt_token() -> None:
+    r = req(prompt_tokens=64)
+    assert hit_tokens(r, 4) == 63
+    assert hit_tokens(r, 2) == 32
+    assert hit_tokens(RouteRequest(0, 0, BS, 16), 3) == 0
+    assert weight(r, cand("a", cached=2)) == (64 - 32) + 16
+
+
+def test_cost_prefers_the_replica_holding_the_prefix() -> None:
+    policy = CacheAwarePolicy(epsilon=0.5, slack_tokens=512, tie_tokens=0)
+    cands = [cand("a"), cand("b", cached=18), cand("c", cached=4)]
+    d = policy.choose(req(), cands)
+    assert (d.replica_id, d.outcome) == ("b", WARM)
+    assert d.predicted_cached_tokens == 18 * BS
+    assert d.weight_tokens == 320 - 288 + 16
+    assert policy.cost(req(), cands[1]) == 32
+    assert policy.cost(req(), cands[2]) == 320 - 64
+
+
+def test_queued_work_outweighs_a_short_prefix() -> None:
+    """Cost = uncached prompt tokens + load: a busy warm replica loses to an idle cold one
+    when its queue costs more than prefilling the prefix elsewhere."""
+    policy = CacheAwarePolicy(epsilon=10.0, slack_tokens=10_000, tie_tokens=0)
+    r = req(prompt_tokens=320)
+    busy_warm = cand("a", cached=10, inflight=600)  # cost 160 + 600
+    idle_cold = cand("b")  # cost 320
+    d = policy.choose(r, [busy_warm, idle_cold])
+    assert (d.replica_id, d.outcome) == ("b", SPILLOVER)
+    lightly_loaded = cand("a", cached=10, inflight=100)  # cost 260 < 320
+    assert policy.choose(r, [lightly_loaded, idle_cold]).replica_id == "a"
+
+
+def test_load_is_the_larger_of_router_and_replica_counts() -> None:
+    assert cand("a", inflight=50, queued=200).load == 200
+    assert cand("a", inflight=300, queued=200).load == 300
+    assert cand("a", cached=2, predicted=5).matched_blocks == 5
+
+
+def test_cold_burst_sticks_through_predicted_entries() -> None:
+    """A burst with a new prefix: the first request goes somewhere cold, records predicted
+    entries, and every following request (same prefix) follows it although nothing is cached."""
+    policy = CacheAwarePolicy(epsilon=0.5, slack_tokens=512, tie_tokens=32)
+    loads = {"a": 0, "b": 0, "c": 0}
+    predicted: dict[str, int] = {}
+    placed = []
+    for _ in range(8):
+        cands = [cand(rid, predicted=predicted.get(rid, 0), inflight=loads[rid]) for rid in loads]
+        d = policy.choose(req(), cands)
+        placed.append((d.replica_id, d.outcome))
+        loads[d.replica_id] += d.weight_tokens
+        predicted[d.replica_id] = 20  # what the router records after routing
+    assert placed[0][1] == COLD
+    assert {rid for rid, _ in placed} == {placed[0][0]}
+    assert all(outcome == WARM for _, outcome in placed[1:])
+
+
+def test_hot_prefix_spills_to_a_second_replica_and_load_stays_bounded() -> None:
+    """A flood of one prefix: the warm replica takes requests until the bound bites, then the
+    next best replica warms up (spillover) and shares the prefix; max load stays within
+    (1 + eps) x mean + slack after every decision."""
+    eps, slack = 0.5, 256
+    policy = CacheAwarePolicy(epsilon=eps, slack_tokens=slack, tie_tokens=32)
+    loads = {"a": 0, "b": 0, "c": 0}
+    matched = {"a": 20, "b": 0, "c": 0}  # a holds the hot prefix
+    outcomes = []
+    for _ in range(60):  # nothing finishes: demand keeps growing
+        cands = [cand(rid, cached=matched[rid], inflight=loads[rid]) for rid in loads]
+        d = policy.choose(req(), cands)
+        outcomes.append((d.replica_id, d.outcome))
+        loads[d.replica_id] += d.weight_tokens
+        matched[d.replica_id] = 20
+        mean = sum(loads.values()) / len(loads)
+        assert max(loads.values()) <= (1 + eps) * mean + slack + d.weight_tokens
+    spilled = [rid for rid, outcome in outcomes if outcome == SPILLOVER]
+    assert spilled, "the hot prefix never spilled over"
+    assert outcomes[0] == ("a", WARM)
+    assert {rid for rid, _ in outcomes} == {"a", "b", "c"}  # with more demand, a third warms
+    # Once warm, the second replica serves the prefix as a warm hit, not a cold prefill.
+    assert sum(1 for rid, o in outcomes if rid == spilled[0] and o == WARM) > 0
+
+
+def test_bound_never_lets_a_replica_run_far_above_the_mean_while_others_idle() -> None:
+    policy = CacheAwarePolicy(epsilon=0.25, slack_tokens=0, tie_tokens=0)
+    # a holds everything but already carries 4x the mean: it is out of bounds.
+    cands = [cand("a", cached=20, inflight=3000), cand("b", inflight=0), cand("c", inflight=0)]
+    d = policy.choose(req(), cands)
+    assert d.replica_id != "a"
+    assert d.outcome == SPILLOVER
+
+
+def test_demand_cooling_shrinks_back_to_one_replica() -> None:
+    """Both a and b hold the prefix; with no load, ties go to the same rendezvous winner for
+    every request (and every router), so the second copy stops being used and ages out."""
+    policy = CacheAwarePolicy(epsilon=0.5, slack_tokens=512, tie_tokens=32)
+    chosen = {
+        policy.choose(req(), [cand("a", cached=20), cand("b", cached=20), cand("c")]).replica_id
+        for _ in range(10)
+    }
+    assert len(chosen) == 1 and chosen <= {"a", "b"}
+    # Small load differences (within tie_tokens) do not flip the choice either.
+    winner = chosen.pop()
+    other = "b" if winner == "a" else "a"
+    cands = [cand(winner, cached=20, inflight=20), cand(other, cached=20), cand("c")]
+    assert policy.choose(req(), cands).replica_id == winner
+
+
+def test_outcomes_cold_and_fallback() -> None:
+    policy = CacheAwarePolicy()
+    assert policy.choose(req(), [cand("a"), cand("b")]).outcome == COLD
+    untokenized = RouteRequest(0, 0, 0, 16, b"x")
+    assert policy.choose(untokenized, [cand("a"), cand("b")]).outcome == FALLBACK
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    policy = RoundRobinPolicy()
+    cands = [cand("c"), cand("a", cached=20), cand("b")]
+    assert [policy.choose(req(), cands).replica_id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_loaded_and_random() -> None:
+    cands = [cand("a", inflight=50), cand("b", queued=10), cand("c", inflight=30)]
+    assert LeastLoadedPolicy().choose(req(), cands).replica_id == "b"
+    picks = {RandomPolicy(seed=s).choose(req(), cands).replica_id for s in range(20)}
+    assert picks == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "round_robin", "least_loaded", "random"])
+def test_make_policy_by_name(name: str) -> None:
+    assert make_policy(name).name == name
+
+
+def test_make_policy_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fastest")

@@ -1,0 +1,70 @@
+"""The router tokenizes and hashes a request exactly as a replica does (no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import make_tiny_tokenizer
+
+from prefixmesh.hashing import block_hashes
+from prefixmesh.tokenizer import Tokenizer
+from proto import prefixmesh_pb2 as pb
+from replica.request_mapping import prompt_token_ids
+from router.discovery import ReplicaView
+from router.prompt import tokenize
+
+GROUP = ("tiny-model", 4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder: Path = tmp_path_factory.mktemp("tok")
+    make_tiny_tokenizer(folder)
+    return Tokenizer.from_dir(folder)
+
+
+def view_with(tokenizer: Tokenizer | None) -> ReplicaView:
+    view = ReplicaView()
+    view.tokenizers[GROUP] = tokenizer
+    view.model_ids[GROUP] = GROUP[0]
+    return view
+
+
+def requests() -> list[pb.GenerateRequest]:
+    chat = pb.ChatMessages(messages=[
+        pb.ChatMessage(role="system", content="You are a router. Keep prefixes warm."),
+        pb.ChatMessage(role="user", content="Which replica holds my cache? café 東京"),
+    ])  # fmt: skip
+    no_prompt = pb.ChatMessages(messages=chat.messages, add_generation_prompt=False)
+    return [
+        pb.GenerateRequest(text="the cache prefix token router replica model block hash"),
+        pb.GenerateRequest(chat=chat),
+        pb.GenerateRequest(chat=no_prompt),
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(3, 40)))),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_token_ids_and_hashes_match_the_replica(tokenizer: Tokenizer, index: int) -> None:
+    request = requests()[index]
+    tokens = tokenize(request, view_with(tokenizer))
+    expected = prompt_token_ids(request, tokenizer)  # what replica/request_mapping.py computes
+    assert tokens.ids_by_group[GROUP] == expected
+    assert tokens.hashes_by_group[GROUP] == block_hashes(expected, 4, GROUP[0])
+
+
+def test_resume_tokens_and_salt_enter_the_hashes_only(tokenizer: Tokenizer) -> None:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5, 6, 7, 8, 9, 10]), resume_token_ids=[11, 12], cache_salt="t1"
+    )
+    tokens = tokenize(request, view_with(tokenizer))
+    assert tokens.ids_by_group[GROUP] == [5, 6, 7, 8, 9, 10]
+    assert tokens.hashes_by_group[GROUP] == block_hashes(list(range(5, 13)), 4, GROUP[0], "t1")
+
+
+def test_without_a_tokenizer_only_token_ids_are_routable() -> None:
+    view = view_with(None)
+    assert tokenize(pb.GenerateRequest(text="hello"), view).ids_by_group == {}
+    ids = tokenize(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, 4])), view)
+    assert ids.hashes_by_group[GROUP] == block_hashes([1, 2, 3, 4], 4, GROUP[0])

@@ -1,0 +1,417 @@
+"""The router end to end in one process: real Redis, real gRPC, echo replicas (no model).
+
+Echo replicas (router/echo_replica.py) speak the replica API and Redis contract and generate a
+deterministic sequence, so routing, failover and resume can be checked exactly and fast. The
+same scenarios against real replica processes are in test_router_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import free_port, start_redis
+
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+from router.config import RouterConfig, parse_config
+from router.echo_replica import EchoReplica, expected_output
+from router.server import RouterServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Cluster:
+    router: RouterServer
+    replicas: list[EchoReplica]
+    generator: pb_grpc.GeneratorStub
+    cluster: pb_grpc.ClusterStub
+
+    async def generate(
+        self, ids: list[int], max_tokens: int = 4, **kw
+    ) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=max_tokens), **kw
+        )
+        return [r async for r in self.generator.Generate(request, timeout=10)]
+
+    def by_address(self) -> dict[str, EchoReplica]:
+        return {r.replica_id: r for r in self.replicas}
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    redis_url: str, n: int = 3, step_delay_s: float = 0.0, **config
+) -> AsyncIterator[Cluster]:
+    replicas = [EchoReplica(redis_url, f"echo-{i}", step_delay_s=step_delay_s) for i in range(n)]
+    for r in replicas:
+        await r.start()
+    settings = dict(port=0, redis=redis_url, discovery_interval_s=0.1, router_id="r1")
+    settings.update(config)
+    router = RouterServer(RouterConfig(**settings))
+    port = await router.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    c = Cluster(router, replicas, pb_grpc.GeneratorStub(channel), pb_grpc.ClusterStub(channel))
+    try:
+        await _wait_for(
+            lambda: len(router.router.view.live()) == n and router.router.view.model_ids
+        )
+        yield c
+    finally:
+        await channel.close()
+        await router.stop(grace=0)
+        for r in replicas:
+            with contextlib.suppress(Exception):
+                await r.stop()
+
+
+async def _wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def tokens_of(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def test_router_server_imports_no_torch() -> None:
+    code = (
+        "import sys, router.server, router.bench, router.echo_replica, prefixmesh.openai_doors;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXMESH_REDIS", "redis://10.0.0.1:6379/2")
+    monkeypatch.setenv("PREFIXMESH_BALANCE_EPSILON", "0.25")
+    config = parse_config(["--policy", "round_robin", "--port", "0"])
+    assert config.redis == "redis://10.0.0.1:6379/2"
+    assert config.balance_epsilon == 0.25 and config.policy == "round_robin"
+    with pytest.raises(SystemExit):
+        parse_config(["--policy", "fastest"])
+
+
+def test_groups_stick_to_one_replica_and_the_cluster_service_reports_it(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server) as c:
+            groups = [[1000 + 50 * g + i for i in range(32)] for g in range(4)]  # 8 blocks each
+            # Interleaved and concurrent: request r of every group, then r + 1, ...
+            for rnd in range(4):
+                results = await asyncio.gather(
+                    *(c.generate(prefix + [rnd, g]) for g, prefix in enumerate(groups))
+                )
+                for responses in results:
+                    final = responses[-1]
+                    assert final.finish_reason == "length"
+                    if rnd > 0:
+                        assert final.usage.cached_tokens == 32
+            by_group = {}
+            for replica in c.replicas:
+                for req in replica.received:
+                    g = (req.token_ids.ids[0] - 1000) // 50
+                    by_group.setdefault(g, set()).add(replica.replica_id)
+            assert all(len(ids) == 1 for ids in by_group.values()), by_group
+            assert len({next(iter(ids)) for ids in by_group.values()}) >= 2  # spread by groups
+
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.policy == "cache_aware" and state.redis_connected
+            assert len(state.replicas) == 3 and state.router_id == "r1"
+            routing = state.routing
+            assert routing.requests == 16
+            assert routing.decisions["cold"] == 4 and routing.decisions["warm"] == 12
+            assert routing.prompt_tokens == 16 * 34
+            assert routing.actual_cached_tokens == 12 * 32
+            assert routing.predicted_cached_tokens == 12 * 32
+            assert routing.hit_rate == pytest.approx(12 * 32 / (16 * 34))
+            per_replica = {r.replica_id: r for r in state.replicas}
+            assert sum(r.requests for r in per_replica.values()) == 16
+            for r in per_replica.values():
+                if r.prompt_tokens:
+                    assert r.hit_rate == pytest.approx(r.cached_tokens / r.prompt_tokens)
+
+            state = await c.cluster.SetPolicy(pb.SetPolicyRequest(policy="round_robin"))
+            assert state.policy == "round_robin"
+            state = await c.cluster.ResetStats(pb.Empty())
+            assert state.routing.requests == 0 and all(r.requests == 0 for r in state.replicas)
+            for _ in range(3):
+                await c.generate(groups[0] + [9])
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert [r.requests for r in state.replicas] == [1, 1, 1]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.cluster.SetPolicy(pb.SetPolicyRequest(policy="fastest"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(scenario())
+
+
+def test_health_reflection_and_metrics(redis_server: str) -> None:
+    metrics_port = free_port()
+
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2, metrics_port=metrics_port) as c:
+            for i in range(3):
+                await c.generate(list(range(40)) + [i])
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{c.router.port}")
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "prefixmesh.v1.Generator", "prefixmesh.v1.Cluster"):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for reply in reflect.ServerReflectionInfo(iter([request])):
+                names = {s.name for s in reply.list_services_response.service}
+                assert {"prefixmesh.v1.Generator", "prefixmesh.v1.Cluster"} <= names
+            await channel.close()
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+            assert "router_overhead_seconds_count 3.0" in text
+            assert 'router_requests_total{outcome="cold"} 1.0' in text
+            assert 'router_requests_total{outcome="warm"} 2.0' in text
+            assert "router_redis_up 1.0" in text
+            assert "router_live_replicas 2.0" in text
+            assert "router_time_to_first_token_seconds_count 3.0" in text
+            # Cached blocks per replica come from the replicas' own leases.
+            holder = max(c.replicas, key=lambda r: len(r.cached))
+            await _wait_for(
+                lambda: (
+                    c.router.router.view.handles[holder.replica_id].lease.cached_blocks
+                    == len(holder.cached)
+                )
+            )
+            state = await c.cluster.ListReplicas(pb.Empty())
+            info = {r.replica_id: r for r in state.replicas}[holder.replica_id]
+            assert info.cached_blocks == len(holder.cached) > 0
+
+    asyncio.run(scenario())
+
+
+def test_mid_stream_death_resumes_elsewhere_with_identical_output(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2, step_delay_s=0.02) as c:
+            prompt = list(range(100, 120))
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=12)
+            )
+            tokens, finals, killed = [], [], None
+            async for resp in c.generator.Generate(request, timeout=10):
+                tokens += resp.token_ids
+                if resp.finish_reason:
+                    finals.append(resp)
+                if len(tokens) == 4 and killed is None:
+                    killed = c.by_address()[resp.replica_id]
+                    await killed.kill()
+            assert tokens == expected_output(prompt, 12)
+            assert len(finals) == 1 and finals[0].usage.prompt_tokens == 20
+            assert finals[0].usage.completion_tokens == 12
+            survivor = next(r for r in c.replicas if r is not killed)
+            resumed = survivor.received[-1]
+            assert list(resumed.token_ids.ids) == prompt
+            assert list(resumed.resume_token_ids) == tokens[: len(resumed.resume_token_ids)]
+            assert len(resumed.resume_token_ids) >= 4
+            assert finals[0].replica_id == survivor.replica_id
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.routing.failovers == 1 and state.routing.errors == 0
+            # The dead replica is out of the routing set at once, although its lease lingers.
+            assert [r.replica_id for r in state.replicas] == [survivor.replica_id]
+            for i in range(4):
+                final = (await c.generate([7, 7, i]))[-1]
+                assert final.replica_id == survivor.replica_id
+
+    asyncio.run(scenario())
+
+
+def test_parallel_samples_resume_one_by_one(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2, step_delay_s=0.02) as c:
+            prompt = list(range(300, 310))
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=6, n=3)
+            )
+            outputs: dict[int, list[int]] = {0: [], 1: [], 2: []}
+            finals = {}
+            killed = None
+            async for resp in c.generator.Generate(request, timeout=10):
+                outputs[resp.index] += resp.token_ids
+                if resp.finish_reason:
+                    finals[resp.index] = resp
+                if len(outputs[0]) == 2 and killed is None:
+                    killed = c.by_address()[resp.replica_id]
+                    await killed.kill()
+            assert outputs == {i: expected_output(prompt, 6) for i in range(3)}
+            assert all(f.usage.completion_tokens == 6 for f in finals.values())
+            survivor = next(r for r in c.replicas if r is not killed)
+            resumes = [r for r in survivor.received if r.resume_token_ids]
+            assert len(resumes) == 3 and all(r.sampling.n == 1 for r in resumes)
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_streams_all_resume_after_a_kill(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2, step_delay_s=0.02) as c:
+            prompt = list(range(300, 310))
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=6)
+            )
+            # Same prefix: both land on one replica, which then dies under them.
+            streams = [c.generator.Generate(request, timeout=10) for _ in range(2)]
+            outputs: list[list[int]] = [[], []]
+            killed = False
+
+            async def consume(i: int) -> None:
+                nonlocal killed
+                async for resp in streams[i]:
+                    outputs[i] += resp.token_ids
+                    if len(outputs[i]) == 2 and not killed:
+                        killed = True
+                        await c.by_address()[resp.replica_id].kill()
+
+            await asyncio.gather(consume(0), consume(1))
+            assert outputs == [expected_output(prompt, 6)] * 2
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_final_message_is_completed_by_the_router(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2) as c:
+            for replica in c.replicas:
+                replica.lose_final = True
+            prompt = [9, 9, 9, 9, 1]
+            responses = await c.generate(prompt, max_tokens=3)
+            assert tokens_of(responses) == expected_output(prompt, 3)
+            final = responses[-1]
+            assert final.finish_reason == "length"
+            assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (5, 3)
+            # Nothing was left to generate: no replica got a resume request.
+            assert not any(r.resume_token_ids for rep in c.replicas for r in rep.received)
+
+    asyncio.run(scenario())
+
+
+def test_unreachable_replica_is_retried_elsewhere_before_the_first_token(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2) as c:
+            victim = c.replicas[0]
+            await victim.kill()  # lease still in Redis: the router only learns by failing
+            for i in range(6):
+                final = (await c.generate([5, 5, 5, i], max_tokens=2))[-1]
+                assert final.replica_id == c.replicas[1].replica_id
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.routing.errors == 0
+            assert state.routing.retries <= 1  # one failure marks it dead for everyone after
+
+    asyncio.run(scenario())
+
+
+def test_busy_replica_is_skipped_and_request_errors_pass_through(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2) as c:
+            busy, other = c.replicas
+            busy.reject_with = grpc.StatusCode.RESOURCE_EXHAUSTED  # its queue is full
+            await c.cluster.SetPolicy(pb.SetPolicyRequest(policy="round_robin"))
+            for i in range(4):
+                final = (await c.generate([3, 1, 4, i], max_tokens=1))[-1]
+                assert final.replica_id == other.replica_id
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.routing.retries == 4 and state.routing.errors == 0  # each hit busy first
+            assert len(state.replicas) == 2  # busy is not dead: it stays in the routing set
+            # A request the replica rejects as invalid is not retried elsewhere.
+            busy.reject_with = None
+            other.reject_with = grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                for i in range(2):  # round robin: one of the two hits the rejecting replica
+                    await c.generate([2, 7, i], max_tokens=1)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.routing.errors == 1 and state.routing.retries == 4
+
+    asyncio.run(scenario())
+
+
+def test_new_replicas_are_picked_up_without_restart(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=1) as c:
+            late = EchoReplica(redis_server, "echo-late")
+            await late.start()
+            c.replicas.append(late)
+            # No request needed: the background lease refresh finds it.
+            await _wait_for(lambda: len(c.router.router.view.live()) == 2, timeout=5.0)
+            await c.cluster.SetPolicy(pb.SetPolicyRequest(policy="round_robin"))
+            served = {(await c.generate([1, 2, i], max_tokens=1))[-1].replica_id for i in range(4)}
+            assert served == {"echo-0", "echo-late"}
+
+    asyncio.run(scenario())
+
+
+def test_deadline_and_cancellation_pass_through_to_the_replica(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=1, step_delay_s=0.2) as c:
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(max_tokens=50)
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in c.generator.Generate(request, timeout=0.5):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await _wait_for(lambda: c.replicas[0].running == 0, timeout=5.0)
+            call = c.generator.Generate(request)
+            async for _ in call:
+                break  # the first token arrived: the replica is generating
+            assert c.replicas[0].running == 1
+            call.cancel()
+            await _wait_for(lambda: c.replicas[0].running == 0, timeout=5.0)
+            assert c.router.router.view.handles["echo-0"].inflight_requests == 0
+
+    asyncio.run(scenario())
+
+
+def test_redis_outage_keeps_serving_and_cache_aware_routing_resumes() -> None:
+    redis_handle = start_redis()
+
+    async def scenario() -> None:
+        async with cluster(redis_handle.url, n=2) as c:
+            await c.generate(list(range(16)))
+            redis_handle.stop()
+            for i in range(4):
+                final = (await c.generate(list(range(16)) + [i]))[-1]
+                assert final.finish_reason == "length"
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert not state.redis_connected and state.routing.decisions["fallback"] >= 1
+            redis_handle.start()
+            await _wait_for(lambda: c.router.router.redis_ok, timeout=3.0)
+            await c.cluster.ResetStats(pb.Empty())
+            await _wait_for(lambda: len(c.router.router.view.live()) == 2, timeout=3.0)
+            prompt = list(range(500, 532))
+            await c.generate(prompt + [0])
+            await asyncio.sleep(0.3)  # the echo replicas republish their block sets
+            final = (await c.generate(prompt + [1]))[-1]
+            assert final.usage.cached_tokens == 32
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.redis_connected
+            assert state.routing.decisions["cold"] == 1 and state.routing.decisions["warm"] == 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_handle.stop()
