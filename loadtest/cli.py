@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import sys
 import time
 import uuid
@@ -15,7 +16,7 @@ from rich.console import Console
 
 from loadtest.arrivals import ARRIVAL_KINDS
 from loadtest.bench import BenchOptions, compare_policies, run_once, save_run
-from loadtest.client import ClientError, make_client
+from loadtest.client import PROTOCOLS, ClientError, make_client, protocol_of
 from loadtest.cluster import ClusterClient
 from loadtest.report import print_comparison, print_summary
 from loadtest.runner import RunLimits
@@ -34,16 +35,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--target",
         default="127.0.0.1:50050",
-        help="router or replica gRPC address (50050: the router of prefixmesh up)",
+        help="router or replica: a gRPC host:port (50050: the router of prefixmesh up), or an "
+        "http:// or https:// base URL for OpenAI HTTP (POST /v1/completions, streamed)",
     )
-    g.add_argument("--protocol", default="grpc", choices=["grpc"], help="client protocol")
+    g.add_argument(
+        "--protocol",
+        default=None,
+        choices=PROTOCOLS,
+        help="client protocol (default: http for an http(s):// target, else grpc)",
+    )
     g.add_argument(
         "--channels", type=int, default=1, help="gRPC channels (connections) in the pool"
     )
     g.add_argument(
+        "--api-key",
+        default=None,
+        help="router API key (env PREFIXMESH_API_KEY): HTTP 'Authorization: Bearer', gRPC "
+        "metadata (also for --cluster)",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HTTP: the body's model (default: the first of GET /v1/models)",
+    )
+    g.add_argument(
         "--cluster",
         default=None,
-        help="router address for Cluster stats (default: --target; 'none' to skip)",
+        help="router gRPC address for Cluster stats and --compare (default: --target for gRPC "
+        "targets, none for HTTP ones; 'none' to skip)",
     )
     g.add_argument(
         "--compare",
@@ -176,12 +195,35 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         block_size=args.block_size,
         progress=not args.no_progress,
         plots=not args.no_plots,
-        settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        settings={
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k != "api_key"  # summaries get shared; keys must not travel with them
+        },
     )
     out = args.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
-    client = make_client(args.protocol, args.target, args.channels)
-    cluster_addr = args.target if args.cluster is None else args.cluster
-    cluster = None if cluster_addr.lower() == "none" else ClusterClient(cluster_addr)
+    protocol = args.protocol or protocol_of(args.target)
+    # Read here, not as the argparse default, so --help never prints the key.
+    api_key = os.environ.get("PREFIXMESH_API_KEY", "") if args.api_key is None else args.api_key
+    if args.compare and protocol == "http" and (args.cluster or "none").lower() == "none":
+        console.print(
+            "[red]--compare with an HTTP target needs --cluster HOST:PORT "
+            "(the router's gRPC address, for its Cluster service)[/red]"
+        )
+        return 2
+    client = make_client(
+        protocol,
+        args.target,
+        args.channels,
+        api_key=api_key,
+        model=args.model,
+        # closed loop: one connection per worker; open loop: as many as requests in flight
+        max_connections=args.concurrency if args.arrival == "closed" else 0,
+    )
+    cluster_addr = args.cluster
+    if cluster_addr is None:
+        cluster_addr = args.target if protocol == "grpc" else "none"
+    cluster = None if cluster_addr.lower() == "none" else ClusterClient(cluster_addr, api_key)
     try:
         await client.wait_ready(timeout=30.0)
         if args.compare:

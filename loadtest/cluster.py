@@ -99,14 +99,16 @@ def cluster_delta(before: ClusterSnapshot, after: ClusterSnapshot) -> dict[str, 
 class ClusterClient:
     """Thin async wrapper over the router's Cluster service."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, api_key: str = "") -> None:
         self._channel = grpc.aio.insecure_channel(target, options=channel_options(-1))
         self._stub = pb_grpc.ClusterStub(self._channel)
+        # A router started with --api-key wants it as gRPC metadata (prefixmesh.auth).
+        self._md = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def snapshot(self, timeout: float = 10.0) -> ClusterSnapshot | None:
         """The current counters, or None when the target is not a router."""
         try:
-            state = await self._stub.ListReplicas(pb.Empty(), timeout=timeout)
+            state = await self._stub.ListReplicas(pb.Empty(), timeout=timeout, metadata=self._md)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
                 return None
@@ -117,18 +119,20 @@ class ClusterClient:
         """The block size of a replica target (``Replica.GetModelInfo``), None if not one."""
         try:
             info = await pb_grpc.ReplicaStub(self._channel).GetModelInfo(
-                pb.Empty(), timeout=timeout
+                pb.Empty(), timeout=timeout, metadata=self._md
             )
         except grpc.aio.AioRpcError:
             return None
         return info.block_size or None
 
     async def set_policy(self, policy: str, timeout: float = 10.0) -> ClusterSnapshot:
-        state = await self._stub.SetPolicy(pb.SetPolicyRequest(policy=policy), timeout=timeout)
+        state = await self._stub.SetPolicy(
+            pb.SetPolicyRequest(policy=policy), timeout=timeout, metadata=self._md
+        )
         return ClusterSnapshot.from_proto(state)
 
     async def reset_stats(self, timeout: float = 10.0) -> None:
-        await self._stub.ResetStats(pb.Empty(), timeout=timeout)
+        await self._stub.ResetStats(pb.Empty(), timeout=timeout, metadata=self._md)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -38,10 +38,12 @@ def build_request(request: LoadRequest) -> pb.GenerateRequest:
 class GrpcClient(GenerateClient):
     """A small pool of ``grpc.aio`` channels shared by all requests (round robin)."""
 
-    def __init__(self, target: str, channels: int = 1) -> None:
+    def __init__(self, target: str, channels: int = 1, api_key: str = "") -> None:
         if channels < 1:
             raise ValueError(f"channels must be >= 1 (got {channels})")
         self.target = target
+        # A router started with --api-key wants it as gRPC metadata (prefixmesh.auth).
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channels = [
             grpc.aio.insecure_channel(target, options=channel_options(i)) for i in range(channels)
         ]
@@ -60,7 +62,7 @@ class GrpcClient(GenerateClient):
 
     async def stream(self, request: LoadRequest, timeout: float | None) -> AsyncIterator[Chunk]:
         stub = self._stubs[next(self._next)]
-        call = stub.Generate(build_request(request), timeout=timeout)
+        call = stub.Generate(build_request(request), timeout=timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 chunk = Chunk(num_tokens=len(msg.token_ids), replica_id=msg.replica_id)

@@ -66,6 +66,8 @@ async def measure(
                 result.finish_reason = chunk.finish_reason
                 if chunk.prompt_tokens:
                     result.prompt_tokens = chunk.prompt_tokens
+                if chunk.completion_tokens:  # HTTP: events carry text, the usage the count
+                    result.output_tokens = max(result.output_tokens, chunk.completion_tokens)
                 result.cached_tokens = chunk.cached_tokens or 0
         if not result.finish_reason:
             result.status = "INCOMPLETE"

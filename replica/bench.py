@@ -142,7 +142,11 @@ def _run_vllm(args, prompts: list[list[int]]) -> dict:
         "output_len": args.output_len,
         "prompts": prompts,
     }
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PATH": "/usr/bin:/bin"}
+    import os
+    import tempfile
+
+    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    env.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
     proc = subprocess.run(
         [args.vllm_python, "-c", script],
         input=json.dumps(cfg),
