@@ -123,7 +123,8 @@ def _run_vllm(args, prompts: list[list[int]]) -> dict:
             t0 = time.perf_counter()
             from vllm import LLM, SamplingParams
             cfg = json.load(sys.stdin)
-            llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=2048, seed=0)
+            llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=2048, seed=0,
+                      gpu_memory_utilization=0.3)
             startup = time.perf_counter() - t0
             params = SamplingParams(temperature=0, max_tokens=cfg["output_len"], ignore_eos=True)
             prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
