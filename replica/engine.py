@@ -83,6 +83,9 @@ class LLMEngine:
             int(config.kv_cache_memory_gb * 2**30)
             // kv_bytes_per_block(mc, self.block_size, self.dtype),
         )
+        # A sequence can never outgrow the whole KV pool: past it, preemption could only
+        # recompute it forever. Cap the context there (it finishes with "length").
+        self.max_model_len = min(self.max_model_len, num_blocks * self.block_size)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         device = torch.device(config.device)
         swap = config.preemption_mode == "swap" or (
@@ -160,12 +163,6 @@ class LLMEngine:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens, longer than the model's context "
                 f"(max_model_len={self.max_model_len}, which includes at least one output token)"
-            )
-        need = -(-(len(token_ids) + 1) // self.block_size)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt needs {need} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks}; raise num_kv_blocks or shorten the prompt"
             )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")

@@ -281,3 +281,13 @@ def test_bfloat16_engine_agrees_with_float32(tiny_model_dir):
     bf16 = run_greedy(make_llm(tiny_model_dir, dtype="bfloat16"), prompts, params)
     first_agree = sum(a[0] == b[0] for a, b in zip(fp32, bf16))
     assert first_agree >= 6, (fp32, bf16)
+
+
+def test_a_sequence_never_outgrows_the_kv_pool(tiny_model_dir):
+    llm = make_llm(tiny_model_dir, num_kv_blocks=4)  # 64 token slots in all
+    assert llm.engine.max_model_len == 64
+    out = llm.generate([random_prompts(1, (40, 40))[0]], SamplingParams(max_tokens=100, ignore_eos=True))
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 24
+    llm.engine.check_integrity()
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.generate([[5] * 64], GREEDY)
