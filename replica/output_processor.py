@@ -68,15 +68,19 @@ class OutputProcessor:
         emit = new_text
         if num_out >= params.min_tokens and token_id in params.stop_token_ids:
             reason, stop_reason, emit = "stop", token_id, ""
-        elif num_out >= params.min_tokens and not params.ignore_eos and (
-            token_id in self.eos_token_ids
+        elif (
+            num_out >= params.min_tokens
+            and not params.ignore_eos
+            and (token_id in self.eos_token_ids)
         ):
             reason, emit = "stop", ""
         elif num_out >= params.min_tokens and state.stop.stop:
             emit, matched = state.stop.feed(new_text)
             if matched is not None:
                 reason, stop_reason = "stop", matched
-        if reason is None and (num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (
+            num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             reason = "length"
         if reason is not None and stop_reason is None:
             emit += state.stop.flush()

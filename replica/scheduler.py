@@ -224,7 +224,9 @@ class Scheduler:
         bs = self.block_size
         first = seq.num_computed_tokens // bs
         needed = -(-(seq.num_computed_tokens + num_new) // bs) - len(seq.block_table)
-        shared_tail = first < len(seq.block_table) and self.bm.ref_counts[seq.block_table[first]] > 1
+        shared_tail = (
+            first < len(seq.block_table) and self.bm.ref_counts[seq.block_table[first]] > 1
+        )
         if self.bm.num_free_blocks < needed + int(shared_tail):
             return False
         if shared_tail:

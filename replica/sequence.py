@@ -33,8 +33,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return bool(self.sequences) and all(s.finished for s in self.sequences) and (
-            self.forked or self.params.n == 1
+        return (
+            bool(self.sequences)
+            and all(s.finished for s in self.sequences)
+            and (self.forked or self.params.n == 1)
         )
 
 

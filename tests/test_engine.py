@@ -81,7 +81,9 @@ def test_late_arrivals_join_and_match_solo_runs(tiny_model_dir):
 def test_prefix_caching_on_and_off_agree_and_reports_hits(tiny_model_dir):
     rng = random.Random(2)
     shared = [rng.randrange(5, 400) for _ in range(100)]
-    prompts = [shared + [rng.randrange(5, 400) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    prompts = [
+        shared + [rng.randrange(5, 400) for _ in range(rng.randint(1, 30))] for _ in range(6)
+    ]
     with_cache = make_llm(tiny_model_dir)
     first = with_cache.generate(prompts[:1], GREEDY)[0]
     rest = with_cache.generate(prompts[1:], GREEDY)
@@ -205,7 +207,9 @@ def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
     free = llm.generate([prompt], GREEDY)[0].token_ids
     stop_id = free[5]
     first = free.index(stop_id)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
+    )
     assert out[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop_id
     assert out[0].token_ids == free[: first + 1]
     out = llm.generate(
@@ -286,7 +290,9 @@ def test_bfloat16_engine_agrees_with_float32(tiny_model_dir):
 def test_a_sequence_never_outgrows_the_kv_pool(tiny_model_dir):
     llm = make_llm(tiny_model_dir, num_kv_blocks=4)  # 64 token slots in all
     assert llm.engine.max_model_len == 64
-    out = llm.generate([random_prompts(1, (40, 40))[0]], SamplingParams(max_tokens=100, ignore_eos=True))
+    out = llm.generate(
+        [random_prompts(1, (40, 40))[0]], SamplingParams(max_tokens=100, ignore_eos=True)
+    )
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 24
     llm.engine.check_integrity()
     with pytest.raises(ValueError, match="max_model_len=64"):
