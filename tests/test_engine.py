@@ -277,8 +277,8 @@ def test_swap_preemption_keeps_kv_and_output(tiny_model_dir):
 
 
 def test_bfloat16_engine_agrees_with_float32(tiny_model_dir):
-    # bfloat16 takes a different matmul layout (pre-transposed weights) and the C++ decode
-    # kernel in reduced precision; its greedy tokens must still mostly agree with float32's.
+    # bfloat16 runs the matmuls and the C++ decode kernel in reduced precision; its greedy
+    # tokens must still mostly agree with float32's.
     prompts = random_prompts(8, (5, 80), seed=11)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     fp32 = run_greedy(make_llm(tiny_model_dir), prompts, params)
