@@ -54,7 +54,16 @@ REPLICA_HEADER = "X-Prefixmesh-Replica"
 def grpc_error(exc: grpc.aio.AioRpcError) -> OpenAIError:
     """An upstream gRPC failure as the OpenAI error a client should see."""
     status, type_ = _STATUS.get(exc.code(), (500, "internal_error"))
-    return OpenAIError(status, exc.details() or exc.code().name, None, type_, exc.code().name)
+    details = exc.details() or exc.code().name
+    return OpenAIError(status, details, _field_named(details, exc.code()), type_, exc.code().name)
+
+
+def _field_named(details: str, code: grpc.StatusCode) -> str | None:
+    """The request field an INVALID_ARGUMENT message starts with ("max_tokens must be ...")."""
+    if code is not _C.INVALID_ARGUMENT:
+        return None
+    word = details.split(" ", 1)[0].strip("'\":,")
+    return word if word.replace("_", "").replace(".", "").isalnum() and word.islower() else None
 
 
 def error_response(err: OpenAIError) -> web.Response:

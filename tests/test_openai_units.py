@@ -161,8 +161,8 @@ def test_chat_chunks_start_with_the_role_and_end_with_the_reason():
 
 
 class _RpcError(grpc.aio.AioRpcError):
-    def __init__(self, code):
-        super().__init__(code, None, None, details=f"{code.name} details")
+    def __init__(self, code, details=None):
+        super().__init__(code, None, None, details=details or f"{code.name} details")
 
 
 @pytest.mark.parametrize(
@@ -180,6 +180,20 @@ class _RpcError(grpc.aio.AioRpcError):
 def test_grpc_status_maps_to_http_status(code, status):
     err = grpc_error(_RpcError(code))
     assert err.status == status and err.code == code.name and "details" in err.message
+
+
+@pytest.mark.parametrize(
+    ("details", "param"),
+    [
+        ("max_tokens must be >= 1 (got 0)", "max_tokens"),
+        ("top_p must be in (0, 1] (got 1.5)", "top_p"),
+        ("prompt is 9000 tokens, longer than the model's context", "prompt"),
+        ("Bad request", None),
+    ],
+)
+def test_invalid_argument_names_the_param(details, param):
+    err = grpc_error(_RpcError(grpc.StatusCode.INVALID_ARGUMENT, details))
+    assert err.param == param and err.body()["error"]["param"] == param
 
 
 def test_bearer_check():
