@@ -8,16 +8,15 @@ Every knob is a flag (``--max-queue``) and an environment variable of the same n
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from prefixmesh import settings
 
 if TYPE_CHECKING:
     from replica.config import EngineConfig
-
-ENV_PREFIX = "PREFIXMESH_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,53 +132,20 @@ _HELP: dict[str, str] = {
 }
 
 
-def _env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``prefixmesh replica`` argument parser; defaults already include the environment."""
-    parser = argparse.ArgumentParser(
+    return settings.build_parser(
+        ServerConfig,
+        _HELP,
         prog="prefixmesh replica",
         description="Serve one model replica over gRPC (Generator + Replica services, health, "
-        "reflection), registered in Redis with its KV cache contents. Every flag can also be "
-        f"set by the environment variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "reflection), registered in Redis with its KV cache contents.",
     )
-    defaults = ServerConfig()
-    for f in fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        env = os.environ.get(_env_name(f.name))
-        help_ = f"{_HELP[f.name]} [env {_env_name(f.name)}]"
-        if isinstance(default, bool):
-            value = _parse_bool(env) if env is not None else default
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=value, help=help_
-            )
-            continue
-        kind = type(default)
-        try:
-            value = kind(env) if env is not None else default
-        except ValueError as exc:
-            parser.error(f"{_env_name(f.name)}={env!r}: {exc}")
-        parser.add_argument(flag, type=kind, default=value, help=help_)
-    return parser
 
 
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
     """Build the config from ``argv`` (flags) and ``os.environ`` (``PREFIXMESH_*``)."""
-    args = build_parser().parse_args(argv)
-    config = ServerConfig(**vars(args))
+    config = settings.parse(ServerConfig, build_parser(), argv)
     _check(config)
     return config
 

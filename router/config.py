@@ -11,9 +11,10 @@ import argparse
 import os
 import secrets
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-ENV_PREFIX = "PREFIXMESH_"
+from prefixmesh import settings
+
 POLICIES = ("cache_aware", "round_robin", "least_loaded", "random")
 
 
@@ -92,38 +93,21 @@ _HELP: dict[str, str] = {
 }
 
 
-def _env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``prefixmesh router`` argument parser; defaults already include the environment."""
-    parser = argparse.ArgumentParser(
+    return settings.build_parser(
+        RouterConfig,
+        _HELP,
         prog="prefixmesh router",
         description="Serve the KV-cache-aware router over gRPC (Generator + Cluster services, "
-        "health, reflection). Replicas are discovered through their Redis leases. Every flag "
-        f"can also be set by the environment variable {ENV_PREFIX}<FLAG> "
-        f"(e.g. {ENV_PREFIX}REDIS).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "health, reflection). Replicas are discovered through their Redis leases.",
+        secret_fields=("api_key",),
     )
-    defaults = RouterConfig()
-    for f in fields(RouterConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        env = os.environ.get(_env_name(f.name))
-        kind = type(default)
-        try:
-            value = kind(env) if env is not None else default
-        except ValueError as exc:
-            parser.error(f"{_env_name(f.name)}={env!r}: {exc}")
-        help_ = f"{_HELP[f.name]} [env {_env_name(f.name)}]"
-        parser.add_argument(flag, type=kind, default=value, help=help_)
-    return parser
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
     """Build the config from ``argv`` (flags) and ``os.environ`` (``PREFIXMESH_*``)."""
-    config = RouterConfig(**vars(build_parser().parse_args(argv)))
+    config = settings.parse(RouterConfig, build_parser(), argv)
     problems = []
     if config.policy not in POLICIES:
         problems.append(f"--policy must be one of {', '.join(POLICIES)} (got {config.policy!r})")

@@ -397,7 +397,9 @@ def test_reflection_health_and_metrics(replica: ReplicaProcess):
     assert tok.encode("the prefix cache") == Tokenizer.from_dir(_model_dir(replica)).encode(
         "the prefix cache"
     )
-    assert (info.block_size, info.max_model_len, info.replica_id) == (16, MAX_MODEL_LEN, "rep-a")
+    # The context is capped at what the KV pool holds (48 blocks of 16 < --max-model-len 1024).
+    expected_len = min(MAX_MODEL_LEN, NUM_BLOCKS * 16)
+    assert (info.block_size, info.max_model_len, info.replica_id) == (16, expected_len, "rep-a")
 
     run(replica.gen, pb.GenerateRequest(text="metrics please", sampling=greedy(3)))
     body = urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics").read()
