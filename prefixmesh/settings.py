@@ -68,8 +68,8 @@ def build_parser(
                 flag, action=argparse.BooleanOptionalAction, default=value, help=help_
             )
         elif f.name in secret_fields:
-            # Default None keeps the value out of --help; parse() fills it in afterwards.
-            parser.add_argument(flag, type=kind, default=None, help=help_)
+            # A suppressed default keeps the value out of --help; parse() fills it in.
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_)
         else:
             parser.add_argument(flag, type=kind, default=value, help=help_)
     return parser
@@ -79,7 +79,7 @@ def parse(config_cls: Any, parser: argparse.ArgumentParser, argv: list[str] | No
     """``config_cls`` built from ``argv`` and the environment (see ``build_parser``)."""
     values = vars(parser.parse_args(argv))
     defaults = config_cls()
-    for name, value in values.items():
-        if value is None and getattr(defaults, name) is not None:
-            values[name] = os.environ.get(env_name(name), getattr(defaults, name))
+    for f in fields(config_cls):
+        if f.name not in values:  # a secret not given on the command line
+            values[f.name] = os.environ.get(env_name(f.name), getattr(defaults, f.name))
     return config_cls(**values)
