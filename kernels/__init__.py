@@ -23,7 +23,7 @@ def get_backend(name: str, device: str) -> AttentionBackend:
         return TritonAttentionBackend()
     from kernels.torch_ref import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(device=str(device))
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_backend"]

@@ -270,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.torch_ref import TorchAttentionBackend
     from kernels.triton_backend import TritonAttentionBackend
 
-    backends = {"torch": TorchAttentionBackend(), "triton": TritonAttentionBackend()}
+    backends = {
+        "torch": TorchAttentionBackend(device=device.type),
+        "triton": TritonAttentionBackend(),
+    }
     bandwidth = copy_bandwidth(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -51,9 +51,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
+    def __init__(self, use_cpu_kernel: bool | None = None, device: str = "cpu") -> None:
         self._use_cpu_kernel = use_cpu_kernel
         self._cpu_kernel = None
+        if use_cpu_kernel is not False and str(device) == "cpu":
+            # Build (first run on a machine, ~30 s) or load it now, at start-up, not inside the
+            # first request.
+            from kernels import cpu_decode
+
+            self._cpu_kernel = cpu_decode.load()
+            self._use_cpu_kernel = self._cpu_kernel is not None
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillPlan] = []
         # The keys/values last written: a prefill with no cached prefix attends to exactly
