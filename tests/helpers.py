@@ -193,3 +193,16 @@ def make_tiny_model_dir(folder: Path, seed: int = 0, init_std: float = 0.5) -> P
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process, give each 15 s to exit, then SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import free_port, start_redis
+from helpers import free_port, start_redis, stop_processes
 
 from loadtest.cli import main as loadtest_main
 from loadtest.workload import SAMPLE_TRACE
@@ -23,18 +23,6 @@ pytestmark = pytest.mark.cluster
 
 NUM_REPLICAS = 3
 STARTUP_TIMEOUT_S = 120.0
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=5)
 
 
 def _wait_for_replicas(router: str, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -77,7 +65,7 @@ def cluster(tiny_model_dir: Path) -> Iterator[tuple[str, list[str]]]:
         _wait_for_replicas(router, procs)
         yield router, replicas
     finally:
-        _stop(procs)
+        stop_processes(procs)
         redis.stop()
 
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import free_port, start_redis
+from helpers import free_port, start_redis, stop_processes
 
 from loadtest.cli import main as loadtest_main
 from loadtest.client import make_client, protocol_of
@@ -288,14 +288,7 @@ def test_loadtest_over_http_against_router(tiny_model_dir: Path, tmp_path: Path)
         ])  # fmt: skip
         assert rc == 0
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+        stop_processes(procs)
         redis.stop()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["requests"]["sent"] == summary["requests"]["ok"] == 8
