@@ -69,11 +69,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.block_tables.device
-        if self._use_cpu_kernel is not False and self._cpu_kernel is None and device.type == "cpu":
-            from kernels import cpu_decode
-
-            self._cpu_kernel = cpu_decode.load()
-            self._use_cpu_kernel = self._cpu_kernel is not None
         decode_rows: list[int] = []
         decode_seqs: list[int] = []
         self._prefills = []
