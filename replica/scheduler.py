@@ -70,7 +70,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
-        self._last_unplanned = 0  # token budget freed by the last _preempt_for
 
     def _key(self, seq: Sequence) -> tuple:
         if self.config.scheduling_policy == "priority":
@@ -150,9 +149,10 @@ class Scheduler:
         # Admit waiting sequences only when no running one had to be preempted this step.
         while self.waiting and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
-                if not self._preempt_for(self.waiting[0], planned, out):
+                freed = self._preempt_for(self.waiting[0], planned, out)
+                if freed is None:
                     break
-                budget += self._last_unplanned
+                budget += freed
                 continue
             if budget <= 0:
                 break
@@ -162,9 +162,10 @@ class Scheduler:
             else:
                 scheduled = self._admit(seq, budget)
             if scheduled is None:
-                if not self._preempt_for(seq, planned, out):
+                freed = self._preempt_for(seq, planned, out)
+                if freed is None:
                     break
-                budget += self._last_unplanned
+                budget += freed
                 continue
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -268,23 +269,24 @@ class Scheduler:
 
     def _preempt_for(
         self, seq: Sequence, planned: dict[int, ScheduledSeq], out: SchedulerOutput
-    ) -> bool:
+    ) -> int | None:
         """Priority policy: make room for ``seq`` by preempting a lower-priority running one.
 
-        The victim may already be planned for this step (no forward has run yet): its plan is
-        dropped and its token budget returned through ``_last_unplanned``.
+        Returns the token budget the preemption freed (the victim may already be planned for
+        this step; no forward has run yet, so its plan is simply dropped), or ``None`` when
+        there is no lower-priority victim.
         """
-        self._last_unplanned = 0
         if self.config.scheduling_policy != "priority" or not self.running:
-            return False
+            return None
         victim = max(self.running, key=self._key)
         if self._key(victim) <= self._key(seq):
-            return False
+            return None
+        freed = 0
         plan = planned.pop(victim.seq_id, None)
         if plan is not None:
-            self._last_unplanned = plan.num_new_tokens
+            freed = plan.num_new_tokens
             mine = set(victim.block_table)
             out.copies = [(src, dst) for src, dst in out.copies if dst not in mine]
         self._preempt(victim, out)
         out.preempted.remove(victim)  # a planned priority swap, not a shortage of blocks
-        return True
+        return freed
