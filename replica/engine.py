@@ -23,7 +23,7 @@ from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
 from replica.output_processor import OutputProcessor
 from replica.outputs import StepOutput
-from replica.sampler import Sampler, SamplingRow
+from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
 from replica.sequence import Request, Sequence
@@ -260,7 +260,7 @@ class LLMEngine:
             rows.append(j)
         if rows != list(range(len(sample_idx))):
             logits = logits[torch.tensor(rows)]
-        results = self.sampler.sample(logits, [self._sampling_row(s) for s in seqs])
+        results = self.sampler.sample(logits, [self.output.sampling_row(s) for s in seqs])
         for seq, result in zip(seqs, results):
             out = self.output.append_token(seq, result.token_id, result.logprobs)
             self._generation_tokens += 1
@@ -290,9 +290,6 @@ class LLMEngine:
             self.scheduler.add_running(child)
             children.append(child)
         return children
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return self.output.sampling_row(seq)
 
     def _count_finished(self, reason: str | None, count: int) -> None:
         if reason and count > 0:
