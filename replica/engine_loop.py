@@ -23,6 +23,7 @@ from replica.outputs import StepOutput
 from replica.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.02
 
 T = TypeVar("T")
 
@@ -74,6 +75,7 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}  # touched on the event loop only
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self.stats: Any = engine.get_stats()
+        self._stats_at = time.monotonic()
         self.integrity = IntegrityReport()
         self.steps = 0
 
@@ -205,7 +207,11 @@ class EngineLoop:
             return
         self.steps += 1
         scheduled = self._scheduled_request_ids()
-        self.stats = self.engine.get_stats()
+        # A stats snapshot walks every sequence: take one per STATS_INTERVAL_S, not per step
+        # (readers are the 100 ms lease refresh and metrics; idle refreshes it too).
+        now = time.monotonic()
+        if now - self._stats_at >= STATS_INTERVAL_S:
+            self.stats, self._stats_at = self.engine.get_stats(), now
         if outputs or scheduled:
             self._loop.call_soon_threadsafe(self._deliver, outputs, scheduled, started)
 
