@@ -101,7 +101,7 @@ def bench_throughput(args) -> dict:
         print(f"ratio prefixmesh / HF: {result['ratio_vs_hf']:.2f}x")
 
     if args.vllm_python:
-        vllm = _run_vllm(args, prompts)
+        vllm = _run_vllm(args, prompts, result["dtype"])
         result.update(vllm)
         if "vllm_output_tok_s" in vllm:
             result["ratio_vs_vllm"] = result["prefixmesh_output_tok_s"] / vllm["vllm_output_tok_s"]
@@ -112,7 +112,7 @@ def bench_throughput(args) -> dict:
     return result
 
 
-def _run_vllm(args, prompts: list[list[int]]) -> dict:
+def _run_vllm(args, prompts: list[list[int]], dtype: str) -> dict:
     """Run the same requests through vLLM (offline LLM API) in its own venv's Python."""
     from replica.loader import resolve_model
 
@@ -139,7 +139,7 @@ def _run_vllm(args, prompts: list[list[int]]) -> dict:
     )
     cfg = {
         "model": str(resolve_model(args.model).path),
-        "dtype": "bfloat16" if args.dtype in ("auto", "bfloat16") else args.dtype,
+        "dtype": dtype,
         "output_len": args.output_len,
         "prompts": prompts,
     }
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("what", choices=["throughput", "prefix", "chunked", "memory", "startup"])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on CPU (default: auto)")
+    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 where the CPU has native bf16, else float32 (default: auto)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=200)

@@ -13,8 +13,9 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 class EngineConfig:
     """Everything that shapes one replica engine.
 
-    ``dtype="auto"`` is bfloat16 on CPU (measured faster: AMX / AVX-512 BF16 matmuls) and on
-    CUDA; float32 is kept for parity tests against Hugging Face. The KV pool holds
+    ``dtype="auto"`` is bfloat16 on CUDA and on CPUs with native bfloat16 (AMX / AVX-512 BF16,
+    measured several times faster), float32 on other CPUs (AVX2 emulates bfloat16 4-5x slower);
+    float32 is kept for parity tests against Hugging Face. The KV pool holds
     ``num_kv_blocks`` blocks of ``block_size`` tokens per layer; when unset it is sized from
     ``kv_cache_memory_gb``.
     """

@@ -52,9 +52,29 @@ class EngineStats:
 
 
 def default_dtype(device: str) -> str:
-    # Measured on this project's CPU (AMX / AVX-512 BF16): bfloat16 is several times faster than
-    # float32 end to end (docs/benchmarks.md). float32 stays available for parity tests.
-    return "bfloat16"
+    """What ``dtype="auto"`` means on ``device``.
+
+    bfloat16 on CUDA, and on a CPU that computes it natively (AVX-512 BF16 or AMX), where it is
+    several times faster than float32 end to end (docs/benchmarks.md). A CPU without those
+    (AVX2 only) emulates bfloat16 matmuls about 4-5x slower than float32, so it gets float32.
+    """
+    if device.startswith("cuda") or cpu_has_native_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU advertises AVX-512 BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    # No cpuinfo (macOS, Windows): trust oneDNN's own check.
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class LLMEngine:

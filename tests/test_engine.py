@@ -297,3 +297,31 @@ def test_a_sequence_never_outgrows_the_kv_pool(tiny_model_dir):
     llm.engine.check_integrity()
     with pytest.raises(ValueError, match="max_model_len=64"):
         llm.generate([[5] * 64], GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("fpu avx avx2 fma", "float32"),  # AVX2 only: bf16 is emulated, several times slower
+        ("fpu avx2 avx512f avx512_bf16", "bfloat16"),
+        ("fpu avx2 avx512f amx_bf16 amx_tile", "bfloat16"),
+    ],
+)
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
+    tmp_path, monkeypatch, flags, expected
+):
+    from replica import engine
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    real_check = engine.cpu_has_native_bf16
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: real_check(str(cpuinfo)))
+    assert engine.default_dtype("cpu") == expected
+    assert engine.default_dtype("cuda") == "bfloat16"
+
+
+def test_auto_dtype_engine_uses_the_detected_dtype(tiny_model_dir):
+    from replica.engine import default_dtype
+
+    llm = make_llm(tiny_model_dir, dtype="auto")
+    assert str(llm.engine.dtype) == f"torch.{default_dtype('cpu')}"
