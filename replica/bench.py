@@ -346,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("what", choices=["throughput", "prefix", "chunked", "memory", "startup"])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 where the CPU has native bf16, else float32 (default: auto)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto = bfloat16 where the CPU has native bf16, else float32 (default: auto)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=200)

@@ -5,7 +5,8 @@ One forward runs a packed batch of new tokens from many sequences (prefill chunk
 mixed); attention reads and writes the paged cache through an ``AttentionBackend``. Weights use
 Hugging Face's parameter names; q/k/v and gate/up projections are fused at load time so each
 layer does three large matmuls instead of seven small ones (Python overhead per op is what limits
-a small model on a CPU).
+a small model on a CPU). On a CPU the matmul weights are packed once for oneDNN
+(kernels/cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_linear import linear, pack
 from kernels.interface import AttentionBackend, AttentionMetadata
 from replica.model_config import ModelConfig, rope_inv_freq
 
@@ -48,9 +50,9 @@ class LlamaModel:
         self.embed = take("model.embed_tokens.weight")
         lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None or c.tie_word_embeddings:
-            self.lm_head = self.embed
+            self.lm_head = pack(self.embed)
         else:
-            self.lm_head = lm_head.to(device=device, dtype=dtype).contiguous()
+            self.lm_head = pack(lm_head.to(device=device, dtype=dtype).contiguous())
         self.norm = take("model.norm.weight")
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for i in range(c.num_layers):
@@ -63,12 +65,12 @@ class LlamaModel:
             self.layers.append(
                 {
                     "input_norm": take(p + "input_layernorm.weight"),
-                    "qkv": qkv,
+                    "qkv": pack(qkv),
                     "qkv_bias": qkv_bias,
-                    "o": take(p + "self_attn.o_proj.weight"),
+                    "o": pack(take(p + "self_attn.o_proj.weight")),
                     "post_norm": take(p + "post_attention_layernorm.weight"),
-                    "gate_up": gate_up,
-                    "down": take(p + "mlp.down_proj.weight"),
+                    "gate_up": pack(gate_up),
+                    "down": pack(take(p + "mlp.down_proj.weight")),
                 }
             )
         # cos/sin tables for every position, computed in float32 as Hugging Face does.
@@ -102,7 +104,7 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             residual = hidden
             x = self._rms_norm(hidden, layer["input_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, c.num_heads, c.head_dim)
             k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -111,10 +113,10 @@ class LlamaModel:
             k = k * cos + _rotate_half(k) * sin
             self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = self.attention.attend(q, k_cache, v_cache, meta, self.scale)
-            hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), layer["o"])
+            hidden = residual + linear(attn.reshape(num_tokens, self.q_size), layer["o"])
             residual = hidden
             x = self._rms_norm(hidden, layer["post_norm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            hidden = residual + linear(F.silu(gate) * up, layer["down"])
         hidden = self._rms_norm(hidden[logits_indices], self.norm)
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

@@ -156,17 +156,30 @@ def make_tiny_tokenizer(folder: Path, vocab_size: int = 500) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def make_tiny_model_dir(folder: Path, seed: int = 0, init_std: float = 0.5) -> Path:
-    """Write a tiny random-weight Llama HF folder (float32 safetensors + tokenizer) to ``folder``.
+def make_tiny_model_dir(
+    folder: Path, seed: int = 0, init_std: float = 0.5, family: str = "llama"
+) -> Path:
+    """Write a tiny random-weight HF folder (float32 safetensors + tokenizer) to ``folder``.
 
-    Weights are drawn with a large std so greedy decoding is not one token repeated forever.
+    ``family`` is "llama" or "qwen2" (q/k/v projections with bias). Weights are drawn with a
+    large std so greedy decoding is not one token repeated forever.
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[family]
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_tiny_tokenizer(folder)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
@@ -183,7 +196,7 @@ def make_tiny_model_dir(folder: Path, seed: int = 0, init_std: float = 0.5) -> P
         pad_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

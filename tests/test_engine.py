@@ -56,6 +56,21 @@ def test_batch_matches_hugging_face(tiny_model_dir, hf_model):
         assert got == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
 
 
+def test_qwen2_with_qkv_bias_matches_hugging_face(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import make_tiny_model_dir
+
+    folder = make_tiny_model_dir(tmp_path / "qwen2", family="qwen2")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = random_prompts(4, (1, 120), seed=3)
+    # min_tokens masks EOS as Hugging Face's min_new_tokens does (ignore_eos alone does not).
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    ours = run_greedy(make_llm(folder), prompts, params)
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, prompt, GREEDY.max_tokens)
+
+
 def test_late_arrivals_join_and_match_solo_runs(tiny_model_dir):
     prompts = random_prompts(6, (5, 120), seed=1)
     llm = make_llm(tiny_model_dir)
