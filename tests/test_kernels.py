@@ -239,6 +239,23 @@ def test_cpu_decode_kernel_is_built_and_used():
     check_close(out, case.naive(), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128])
+@pytest.mark.parametrize("many", [False, True], ids=["per-kv-head", "per-sequence"])
+def test_cpu_decode_kernel_work_splits(dtype, head_dim, many):
+    # The kernel gives each thread whole sequences when there are at least 4 per thread, else
+    # one (sequence, KV head) per work item; both, over context lengths that are not multiples
+    # of the vector width, every head size it is compiled for, and a block size of 16.
+    rng = random.Random(head_dim)
+    count = 4 * torch.get_num_threads() + 3 if many else 2
+    seqs = [(rng.randint(1, 120), 1) for _ in range(count)]
+    case = Case(seqs, 16, 6, 2, head_dim, dtype, seed=head_dim)
+    backend = TorchAttentionBackend()
+    out, _, _ = case.run(backend)
+    assert backend._cpu_kernel is not None
+    check_close(out, case.naive(), dtype)
+
+
 @pytest.mark.parametrize("tile_n, num_splits", [(16, 1), (16, 3), (64, 2)])
 def test_tiles_and_flash_decoding_splits(tile_n, num_splits):
     # Tiles smaller and larger than a block, and splits that leave some programs empty.
