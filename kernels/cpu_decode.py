@@ -75,6 +75,19 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// q . k for one head: k already in V registers, q (float32) in memory; two accumulators.
+template <int V>
+static inline float dot(const __m256* kv, const float* q) {
+  static_assert(V >= 2 && V % 2 == 0, "head_dim must be a multiple of 16");
+  __m256 a0 = _mm256_mul_ps(kv[0], _mm256_loadu_ps(q));
+  __m256 a1 = _mm256_mul_ps(kv[1], _mm256_loadu_ps(q + 8));
+  for (int i = 2; i + 1 < V; i += 2) {
+    a0 = _mm256_fmadd_ps(kv[i], _mm256_loadu_ps(q + 8 * i), a0);
+    a1 = _mm256_fmadd_ps(kv[i + 1], _mm256_loadu_ps(q + 8 * i + 8), a1);
+  }
+  return hsum8(_mm256_add_ps(a0, a1));
+}
+
 // Softmax of s[0..len) in place (normalized).
 static inline void softmax_row(float* s, int64_t len) {
   __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -102,23 +115,12 @@ template <typename T, int D>
 static void decode_item(const float* qf, const T* kc, const T* vc, const int32_t* table,
                         int64_t len, int64_t G, int64_t BS, int64_t row_stride, float* scores,
                         float* acc) {
-  static_assert(D % 8 == 0, "head_dim must be a multiple of 8");
   constexpr int V = D / 8;
   for (int64_t t = 0; t < len; ++t) {
     const T* k = kc + (int64_t(table[t / BS]) * BS + t % BS) * row_stride;
     __m256 kv[V];
     for (int i = 0; i < V; ++i) kv[i] = load8(k + 8 * i);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* q = qf + g * D;
-      __m256 a0 = _mm256_mul_ps(kv[0], _mm256_loadu_ps(q));
-      __m256 a1 = V > 1 ? _mm256_mul_ps(kv[1], _mm256_loadu_ps(q + 8)) : _mm256_setzero_ps();
-      for (int i = 2; i + 1 < V; i += 2) {
-        a0 = _mm256_fmadd_ps(kv[i], _mm256_loadu_ps(q + 8 * i), a0);
-        a1 = _mm256_fmadd_ps(kv[i + 1], _mm256_loadu_ps(q + 8 * i + 8), a1);
-      }
-      if (V > 1 && V % 2) a0 = _mm256_fmadd_ps(kv[V - 1], _mm256_loadu_ps(q + 8 * (V - 1)), a0);
-      scores[g * len + t] = hsum8(_mm256_add_ps(a0, a1));
-    }
+    for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot<V>(kv, qf + g * D);
   }
   for (int64_t g = 0; g < G; ++g) softmax_row(scores + g * len, len);
   // Weighted sum of values, up to 64 dims at a time (8 accumulators stay in registers).
@@ -158,17 +160,8 @@ static void decode_seq(const float* qf, const T* kc, const T* vc, const int32_t*
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       __m256 kv[V];
       for (int i = 0; i < V; ++i) kv[i] = load8(k + kvh * D + 8 * i);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* q = qf + (kvh * G + g) * D;
-        __m256 a0 = _mm256_mul_ps(kv[0], _mm256_loadu_ps(q));
-        __m256 a1 = V > 1 ? _mm256_mul_ps(kv[1], _mm256_loadu_ps(q + 8)) : _mm256_setzero_ps();
-        for (int i = 2; i + 1 < V; i += 2) {
-          a0 = _mm256_fmadd_ps(kv[i], _mm256_loadu_ps(q + 8 * i), a0);
-          a1 = _mm256_fmadd_ps(kv[i + 1], _mm256_loadu_ps(q + 8 * i + 8), a1);
-        }
-        if (V > 1 && V % 2) a0 = _mm256_fmadd_ps(kv[V - 1], _mm256_loadu_ps(q + 8 * (V - 1)), a0);
-        scores[(kvh * G + g) * len + t] = hsum8(_mm256_add_ps(a0, a1));
-      }
+      for (int64_t g = 0; g < G; ++g)
+        scores[(kvh * G + g) * len + t] = dot<V>(kv, qf + (kvh * G + g) * D);
     }
   }
   for (int64_t h = 0; h < H; ++h) softmax_row(scores + h * len, len);
