@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import make_tiny_model_dir
 
 from replica import LLM, SamplingParams
 
@@ -58,8 +59,6 @@ def test_batch_matches_hugging_face(tiny_model_dir, hf_model):
 
 def test_qwen2_with_qkv_bias_matches_hugging_face(tmp_path):
     from transformers import AutoModelForCausalLM
-
-    from tests.helpers import make_tiny_model_dir
 
     folder = make_tiny_model_dir(tmp_path / "qwen2", family="qwen2")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
