@@ -11,6 +11,10 @@
 ``prefixmesh bench memory``      KV slots allocated vs used per running request, next to the
                                  concurrency a contiguous max-length reservation would allow.
 ``prefixmesh bench startup``     ``LLM("smollm2")`` construction to first token.
+``prefixmesh bench attention``   one layer's paged decode attention on the CPU (SmolLM2's heads,
+                                 64 sequences of ~240 tokens): the C++ kernel against the pure
+                                 torch path (gather the blocks, then SDPA), and the time a plain
+                                 read of the same keys and values takes.
 
 Every command prints what it measured and how. This machine is noisy: compare ratios measured
 in one run, not absolute numbers across runs.
@@ -19,6 +23,7 @@ in one run, not absolute numbers across runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import subprocess
@@ -353,13 +358,93 @@ def bench_startup(args) -> dict:
     return {"startup_to_first_token_s": took}
 
 
+# --------------------------------------------------------------------------- decode attention
+def bench_attention(args) -> dict:
+    import torch
+
+    from kernels.interface import AttentionMetadata
+    from kernels.torch_ref import TorchAttentionBackend
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16  # SmolLM2-135M
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(args.context - 32, args.context + 33, (args.batch,), generator=gen)
+    blocks_per_seq = (int(lens.max()) + block - 1) // block
+    # Every sequence's blocks scattered over a pool twice the size needed, as in a busy engine.
+    num_blocks = 2 * args.batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, generator=gen)[: args.batch * blocks_per_seq]
+    tables = tables.view(args.batch, blocks_per_seq).int()
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(args.batch, heads, head_dim, generator=gen).to(dtype)
+    positions = (lens - 1).tolist()
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(args.batch + 1, dtype=torch.int32),
+        seq_lens=lens.int(),
+        block_tables=tables,
+        slot_mapping=torch.tensor(
+            [int(tables[i, p // block]) * block + p % block for i, p in enumerate(positions)]
+        ),
+        max_query_len=1,
+        max_seq_len=int(lens.max()),
+        query_lens_cpu=[1] * args.batch,
+        seq_lens_cpu=lens.tolist(),
+    )
+
+    def per_call_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        return (time.perf_counter() - start) / args.iters * 1000
+
+    outputs, result = {}, {"batch": args.batch, "mean_context": float(lens.float().mean())}
+    for name, use_kernel in (("cpu_kernel", None), ("torch_sdpa", False)):
+        backend = TorchAttentionBackend(use_cpu_kernel=use_kernel)
+        if use_kernel is None and not backend._use_cpu_kernel:
+            print("the C++ kernel is not available here (no compiler?)")
+            continue
+        backend.prepare(meta, block)
+        attend = functools.partial(backend.attend, query, k_cache, v_cache, meta, head_dim**-0.5)
+        outputs[name] = attend()
+        result[f"{name}_ms"] = per_call_ms(attend)
+    if len(outputs) == 2:
+        diff = (outputs["cpu_kernel"].float() - outputs["torch_sdpa"].float()).abs().max()
+        result["max_abs_diff"] = float(diff)
+        result["speedup"] = result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
+    # The bandwidth floor: reading every context's keys and values once (sum over a copy).
+    touched = k_cache[tables.flatten().long()], v_cache[tables.flatten().long()]
+    result["read_kv_ms"] = per_call_ms(lambda: (touched[0].sum(), touched[1].sum()))
+    mb = sum(t.numel() * t.element_size() for t in touched) / 1e6
+    print(
+        f"paged decode attention, one layer, {args.batch} sequences of ~{args.context} tokens "
+        f"({heads}/{kv_heads} heads, head_dim {head_dim}, {str(dtype)[6:]}, "
+        f"{torch.get_num_threads()} threads), mean of {args.iters} calls:"
+    )
+    for name in ("cpu_kernel", "torch_sdpa"):
+        if f"{name}_ms" in result:
+            print(f"  {name:10s} {result[f'{name}_ms']:7.2f} ms")
+    print(f"  reading the {mb:.1f} MB of keys and values once: {result['read_kv_ms']:.2f} ms")
+    if "speedup" in result:
+        print(
+            f"  C++ kernel / torch path: {result['speedup']:.1f}x faster "
+            f"(max abs difference {result['max_abs_diff']:.1e})"
+        )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="prefixmesh bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("what", choices=["throughput", "prefix", "chunked", "memory", "startup"])
+    parser.add_argument(
+        "what", choices=["throughput", "prefix", "chunked", "memory", "startup", "attention"]
+    )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument(
         "--dtype",
@@ -381,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked)")
     parser.add_argument("--long-len", type=int, default=4000)
     parser.add_argument("--stream-tokens", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=64, help="sequences (attention)")
+    parser.add_argument("--context", type=int, default=240, help="mean context (attention)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls (attention)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     fn = {
@@ -389,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunked": bench_chunked,
         "memory": bench_memory,
         "startup": bench_startup,
+        "attention": bench_attention,
     }[args.what]
     result = fn(args)
     if args.json:

@@ -26,3 +26,14 @@ def test_throughput_bench_reports_both_engines_and_its_phases(tiny_model_dir, tm
     assert abs(result["decode_step_ms"] * 5 / 1000 - result["decode_phase_s"]) < 1e-9
     printed = capsys.readouterr().out
     assert "ratio prefixmesh / HF" in printed and "5 decode steps of all 4" in printed
+
+
+def test_attention_bench_compares_the_kernel_with_the_torch_path(tmp_path, capsys):
+    out = tmp_path / "attention.json"
+    argv = ["attention", "--batch", "6", "--context", "40", "--iters", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["batch"] == 6
+    assert result["max_abs_diff"] < 1e-4  # both paths compute the same attention
+    assert result["speedup"] == result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
+    assert "C++ kernel / torch path" in capsys.readouterr().out
