@@ -149,16 +149,19 @@ static void decode_seq(const float* qf, const T* kc, const T* vc, const int32_t*
   constexpr int V = D / 8;
   const int64_t H = KVH * G, row = KVH * D;
   constexpr int64_t AHEAD = 8;
-  auto fetch = [&](const T* base, int64_t u) {
-    if (u >= len) return;
-    const char* p = reinterpret_cast<const char*>(base + (int64_t(table[u / BS]) * BS + u % BS) * row);
-    for (int64_t off = 0; off < row * int64_t(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  // Token t's row (all KV heads) in a cache; with the row AHEAD tokens later prefetched.
+  auto row_at = [&](const T* base, int64_t t) {
+    const int64_t u = t + AHEAD;
+    if (u < len) {
+      const char* p = reinterpret_cast<const char*>(base + (int64_t(table[u / BS]) * BS + u % BS) * row);
+      for (int64_t off = 0; off < row * int64_t(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+    return base + (int64_t(table[t / BS]) * BS + t % BS) * row;
   };
+  __m256 kv[V];
   for (int64_t t = 0; t < len; ++t) {
-    fetch(kc, t + AHEAD);
-    const T* k = kc + (int64_t(table[t / BS]) * BS + t % BS) * row;
+    const T* k = row_at(kc, t);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      __m256 kv[V];
       for (int i = 0; i < V; ++i) kv[i] = load8(k + kvh * D + 8 * i);
       for (int64_t g = 0; g < G; ++g)
         scores[(kvh * G + g) * len + t] = dot<V>(kv, qf + (kvh * G + g) * D);
@@ -167,17 +170,15 @@ static void decode_seq(const float* qf, const T* kc, const T* vc, const int32_t*
   for (int64_t h = 0; h < H; ++h) softmax_row(scores + h * len, len);
   std::fill(acc, acc + H * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    fetch(vc, t + AHEAD);
-    const T* v = vc + (int64_t(table[t / BS]) * BS + t % BS) * row;
+    const T* v = row_at(vc, t);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      __m256 vv[V];
-      for (int i = 0; i < V; ++i) vv[i] = load8(v + kvh * D + 8 * i);
+      for (int i = 0; i < V; ++i) kv[i] = load8(v + kvh * D + 8 * i);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
         const __m256 pb = _mm256_set1_ps(scores[h * len + t]);
         float* a = acc + h * D;
         for (int i = 0; i < V; ++i)
-          _mm256_storeu_ps(a + 8 * i, _mm256_fmadd_ps(pb, vv[i], _mm256_loadu_ps(a + 8 * i)));
+          _mm256_storeu_ps(a + 8 * i, _mm256_fmadd_ps(pb, kv[i], _mm256_loadu_ps(a + 8 * i)));
       }
     }
   }
