@@ -1,16 +1,16 @@
 """Linear layers on the CPU through oneDNN with weights packed once at load time.
 
 ``F.linear`` on a CPU calls MKL's sgemm, which re-lays out the weight on every call and, on AMD
-CPUs, does not take its best path: at SmolLM2's shapes it runs at 35-90 GFLOP/s on this 2-core
-AVX2 machine. oneDNN's inner product on a weight converted once to its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) runs the same shapes at 70-125 GFLOP/s, the LM head at M=64 twice as
-fast, and the engine end to end 22-25% faster in float32 (docs/benchmarks.md). Torch's own CPU
-compiler (inductor) uses the same op, ``torch.ops.mkldnn._linear_pointwise``, for the same
-reason.
+CPUs, does not take its best path: at SmolLM2's shapes it runs at 35-90 GFLOP/s on a 2-core
+AVX2 machine. oneDNN's inner product on a weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) runs the same shapes at 70-125 GFLOP/s, the LM
+head at M=64 twice as fast, and the engine end to end 22-25% faster in float32
+(docs/benchmarks.md). Torch's own CPU compiler (inductor) packs and multiplies with the same
+two ops, for the same reason.
 
 ``pack`` returns the weight unchanged where oneDNN cannot run it (not a CPU tensor, a dtype
-this CPU's oneDNN has no kernel for, such as bfloat16 without AVX-512, or a torch without the
-op) and ``linear`` then falls back to ``F.linear``, so callers never branch. Set
+this CPU's oneDNN has no kernel for, such as bfloat16 without AVX-512, or a torch without these
+private ops) and ``linear`` then falls back to ``F.linear``, so callers never branch. Set
 ``PREFIXMESH_ONEDNN=0`` to keep every weight dense (plain ``F.linear``).
 """
 

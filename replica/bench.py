@@ -367,7 +367,9 @@ def bench_attention(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    from replica.engine import default_dtype
+
+    dtype = getattr(torch, default_dtype("cpu") if args.dtype == "auto" else args.dtype)
     heads, kv_heads, head_dim, block = 9, 3, 64, 16  # SmolLM2-135M
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(args.context - 32, args.context + 33, (args.batch,), generator=gen)
