@@ -4,7 +4,7 @@
 CPUs, does not take its best path: at SmolLM2's shapes it runs at 35-90 GFLOP/s on a 2-core
 AVX2 machine. oneDNN's inner product on a weight reordered once into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``) runs the same shapes at 70-125 GFLOP/s, the LM
-head at M=64 twice as fast, and the engine end to end 22-25% faster in float32
+head at M=64 twice as fast, and the engine end to end 21-25% faster in float32
 (docs/benchmarks.md). Torch's own CPU compiler (inductor) packs and multiplies with the same
 two ops, for the same reason.
 
