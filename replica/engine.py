@@ -161,8 +161,14 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        unsent_text: str = "",
     ) -> None:
-        """Queue a request; raises ``ValueError`` naming the bad field."""
+        """Queue a request; raises ``ValueError`` naming the bad field.
+
+        ``unsent_text`` is text of the prompt's tail that the client has not received yet
+        (tokens an earlier replica generated, whose text it held back for a possible stop
+        string): it comes first in the first output, through the stop-string matcher.
+        """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         params.validate()
@@ -186,6 +192,8 @@ class LLMEngine:
             )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if unsent_text and params.n != 1:
+            raise ValueError(f"unsent_text needs n == 1 (got n={params.n})")
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -194,6 +202,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt or None,
+            unsent_text=unsent_text,
         )
         seq = self._new_sequence(request, 0, list(token_ids), len(token_ids))
         self._requests[request_id] = request

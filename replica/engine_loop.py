@@ -93,6 +93,7 @@ class EngineLoop:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        unsent_text: str = "",
     ) -> RequestHandle:
         """Add a request to the engine; raises the engine's ``ValueError`` on bad input."""
         handle = RequestHandle(request_id)
@@ -106,6 +107,7 @@ class EngineLoop:
                 priority=priority,
                 cache_salt=cache_salt or None,
                 arrival_time=arrival_time,
+                unsent_text=unsent_text,
             )
 
         try:

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prefixmesh.stop_strings import StopStringMatcher
 from prefixmesh.tokenizer import Tokenizer
-from replica.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from replica.detokenizer import IncrementalDetokenizer
 from replica.outputs import StepOutput, TokenLogprobs
 from replica.sampler import SamplingRow, make_generator
 from replica.sequence import Request, Sequence
@@ -21,6 +22,7 @@ class SampleState:
     stop: StopStringMatcher
     row: SamplingRow
     min_tokens_suppress: list[int] = field(default_factory=list)
+    unsent: str = ""  # resumed text cleared for output, streamed before the first token's
 
 
 class OutputProcessor:
@@ -39,13 +41,20 @@ class OutputProcessor:
         suppress = list(params.stop_token_ids)
         if not params.ignore_eos:
             suppress += sorted(self.eos_token_ids)
+        stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        unsent = seq.request.unsent_text if seq.index == 0 else ""
+        if unsent and params.min_tokens == 0:
+            # The replica that generated it was matching stop strings already: hold back the
+            # tail that may start one, so a stop string across the resume point still stops.
+            unsent, _ = stop.feed(unsent)
         return SampleState(
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, seq.token_ids, params.skip_special_tokens
             ),
-            stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            stop=stop,
             row=SamplingRow(params, generator, []),
             min_tokens_suppress=suppress,
+            unsent=unsent,
         )
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -84,6 +93,8 @@ class OutputProcessor:
             reason = "length"
         if reason is not None and stop_reason is None:
             emit += state.stop.flush()
+        if state.unsent:
+            emit, state.unsent = state.unsent + emit, ""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         return StepOutput(
             request_id=seq.request.request_id,
@@ -103,11 +114,12 @@ class OutputProcessor:
         """The final delta of a sample stopped from outside (abort)."""
         state: SampleState = seq.state  # type: ignore[assignment]
         seq.finish_reason = reason
+        unsent, state.unsent = state.unsent, ""
         return StepOutput(
             request_id=seq.request.request_id,
             index=seq.index,
             new_token_ids=[],
-            new_text=state.stop.flush(),
+            new_text=unsent + state.stop.flush(),
             finished=True,
             finish_reason=reason,
             stop_reason=None,

@@ -26,6 +26,9 @@ class Request:
     priority: int
     arrival_time: float
     cache_salt: str | None
+    # Text of the prompt's tail (tokens resumed from an earlier replica) the client has not
+    # received: streamed with the first output, through stop-string matching.
+    unsent_text: str = ""
     num_cached_tokens: int = -1  # set at first admission
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1 samples created (after the prompt's prefill)

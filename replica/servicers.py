@@ -58,6 +58,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     priority=req.priority,
                     cache_salt=req.cache_salt,
                     arrival_time=arrival,
+                    unsent_text=req.unsent_text,
                 )
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

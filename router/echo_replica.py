@@ -3,7 +3,9 @@
 It speaks the replica's gRPC API and Redis contract (lease, load, block set), generates a
 deterministic token sequence (each token a hash of the three before it, so a resumed request
 continues exactly where a dead one stopped) and reports cached tokens from its own block set.
-No torch: it runs inside the router's test process.
+Token ``t`` reads ``<t>``; stop strings are matched (and held back) as a real replica does, and
+a resume streams the resumed text past ``resume_text_chars`` first. No torch: it runs inside
+the router's test process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import redis.asyncio as aioredis
 
 from prefixmesh import redis_layout as layout
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
+from prefixmesh.stop_strings import StopStringMatcher
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -29,6 +32,11 @@ def next_token(context: list[int]) -> int:
     """The echo model: a fixed function of the last three tokens."""
     a, b, c = ([0, 0, 0] + context)[-3:]
     return (31 * a + 17 * b + 7 * c + 3) % VOCAB
+
+
+def token_text(token: int) -> str:
+    """The echo model's text of a token."""
+    return f"<{token}>"
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
@@ -59,6 +67,7 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
     port: int = 0
     reject_with: grpc.StatusCode | None = None  # answer every Generate with this error
     lose_final: bool = False  # stream every token, then fail instead of the final message
+    fail_after: int = 0  # fail (UNAVAILABLE) after this many tokens of a request not resumed
 
     async def start(self) -> None:
         self.epoch = secrets.token_hex(4)
@@ -150,6 +159,23 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
         max_tokens = (sp.max_tokens if sp.HasField("max_tokens") else 16) - len(resumed)
         n = sp.n if sp.HasField("n") and sp.n > 0 else 1
         rid = request.request_id
+        stop = StopStringMatcher(list(sp.stop), sp.include_stop_str_in_output)
+        unsent = ""
+        if request.HasField("resume_text_chars"):
+            text = "".join(token_text(t) for t in resumed)
+            chars = request.resume_text_chars
+            if not 0 <= chars <= len(text):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"resume_text_chars must be in [0, {len(text)}] (got {chars})",
+                )
+            unsent, matched = stop.feed(text[chars:])
+            if matched is not None:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"resume_text_chars={chars} leaves unsent text that already contains the "
+                    f"stop string {matched!r}",
+                )
         self.running += 1
         try:
             out: list[int] = []
@@ -158,20 +184,30 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
                     await asyncio.sleep(self.step_delay_s)
                 token = next_token(context_ids + out)
                 out.append(token)
+                text, matched = stop.feed(token_text(token))
+                last = matched is not None or step == max_tokens - 1
+                if last and matched is None:
+                    text += stop.flush()
+                text, unsent = unsent + text, ""
                 for index in range(n):  # greedy-like: every sample is the same sequence
                     msg = pb.GenerateResponse(
-                        request_id=rid, index=index, token_ids=[token], text=f"<{token}>",
+                        request_id=rid, index=index, token_ids=[token], text=text,
                         replica_id=self.replica_id,
                     )  # fmt: skip
-                    if step == max_tokens - 1 and self.lose_final:
+                    if last and self.lose_final:
                         yield msg
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "died before the end")
-                    if step == max_tokens - 1:
-                        msg.finish_reason = "length"
+                    if last:
+                        msg.finish_reason = "stop" if matched is not None else "length"
+                        msg.stop_reason = matched or ""
                         msg.usage.prompt_tokens = len(prompt)
                         msg.usage.completion_tokens = len(out) + len(resumed)
                         msg.usage.cached_tokens = min(hit * self.block_size, len(prompt) - 1)
                     yield msg
+                if step + 1 == self.fail_after and not resumed:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "died mid-stream")
+                if last:
+                    break
         finally:
             self.running -= 1
 

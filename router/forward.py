@@ -10,8 +10,15 @@
   exactly; sampled ones continue validly but from a different random stream. The resuming
   replica's detokenizer takes the resumed tokens as left context, so a character split across
   the boundary still comes out whole; invalid UTF-8 byte runs may show a different number of
-  U+FFFD characters (the detokenizer's own contract). Text a replica held back for a possible
-  stop-string match when it died is lost.
+  U+FFFD characters (the detokenizer's own contract).
+- A replica holds back text that may start a stop string, so when it dies the client can have
+  a token's id but not yet all its text. The router counts the characters it forwarded per
+  sample and sends them as ``resume_text_chars``: the resuming replica streams the rest of the
+  resumed tokens' text first, through its stop-string matcher, so the client's text is that of
+  an undisturbed run (and a stop string across the resume point still stops it). A client's
+  own ``resume_token_ids`` without ``resume_text_chars`` keep their old meaning (all their text
+  was received): a router resume of such a request cannot count their text, so it leaves the
+  field unset and text held back at that moment is lost.
 - The final message's usage is fixed up after a resume so it counts the original prompt and
   every generated token. A sample whose tokens all arrived but whose final message was lost is
   finished by the router (``finish_reason = "length"``) instead of being resumed.
@@ -56,6 +63,7 @@ class _Attempt:
 @dataclass(slots=True)
 class _Progress:
     generated: dict[int, list[int]] = field(default_factory=dict)
+    text_chars: dict[int, int] = field(default_factory=dict)  # characters sent to the client
     finished: set[int] = field(default_factory=set)
     streamed: bool = False
 
@@ -140,7 +148,9 @@ class Forwarder:
                         yield _final(request, i, handle.replica_id, prompt_ids, len(done))
                         progress.finished.add(i)
                         continue
-                    resumes.append(_Attempt(_resume_request(request, prompt_ids, done), [i]))
+                    chars = progress.text_chars.get(i, 0)
+                    resumed = _resume_request(request, prompt_ids, done, chars)
+                    resumes.append(_Attempt(resumed, [i]))
                 queue[:0] = resumes
             finally:
                 plan.release()
@@ -162,6 +172,7 @@ class Forwarder:
         if not resp.replica_id:
             resp.replica_id = plan.handle.replica_id
         progress.generated.setdefault(index, []).extend(resp.token_ids)
+        progress.text_chars[index] = progress.text_chars.get(index, 0) + len(resp.text)
         if resp.finish_reason:
             progress.finished.add(index)
             resumed = len(attempt.request.resume_token_ids) > 0
@@ -201,11 +212,16 @@ def _final(
 
 
 def _resume_request(
-    request: pb.GenerateRequest, prompt_ids: list[int], generated: list[int]
+    request: pb.GenerateRequest, prompt_ids: list[int], generated: list[int], text_chars: int
 ) -> pb.GenerateRequest:
+    """Sample continuation: ``generated`` tokens were forwarded with ``text_chars`` characters."""
     resumed = pb.GenerateRequest()
     resumed.CopyFrom(request)
     resumed.token_ids.ids[:] = prompt_ids  # selects the token_ids branch of the oneof
     resumed.resume_token_ids[:] = list(request.resume_token_ids) + generated
     resumed.sampling.n = 1
+    # Unset with the client's own resume tokens means "all of their text was received", a
+    # length the router does not know; then it stays unset (old contract).
+    if request.HasField("resume_text_chars") or not request.resume_token_ids:
+        resumed.resume_text_chars = request.resume_text_chars + text_chars
     return resumed

@@ -7,7 +7,8 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from replica.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from prefixmesh.stop_strings import StopStringMatcher
+from replica.detokenizer import IncrementalDetokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -215,6 +215,36 @@ def test_abort_frees_blocks_at_once(tiny_model_dir):
     assert not engine.has_unfinished_requests()
 
 
+def test_unsent_text_comes_first_through_the_stop_string_matcher(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    engine = llm.engine
+    prompt = random_prompts(1, (20, 20), seed=11)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    free = llm.generate([prompt], greedy)[0].text
+    assert free and "@" not in free
+
+    def params(stop: str) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, stop=[stop])
+
+    # Unsent text as a resumed replica gets it: its "@" may start the stop string, so it waits
+    # for the generated text, which completes the stop string (a), does not (c), or never
+    # comes (b: aborted, the held-back text is released).
+    engine.add_request("a", prompt, params("@" + free[0]), unsent_text="held@")
+    engine.add_request("b", prompt, params("@@"), unsent_text="x@")
+    engine.add_request("c", prompt, params("@@"), unsent_text="held@")
+    engine.abort_request("b")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    text = {r: "".join(o.new_text for o in outputs if o.request_id == r) for r in "abc"}
+    assert text == {"a": "held", "b": "x@", "c": "held@" + free}
+    finals = {o.request_id: o for o in outputs if o.finished}
+    assert (finals["a"].finish_reason, finals["a"].stop_reason) == ("stop", "@" + free[0])
+    assert next(o for o in outputs if o.request_id == "c").new_text.startswith("held@")
+    with pytest.raises(ValueError, match="n == 1"):
+        engine.add_request("d", prompt, SamplingParams(n=2), unsent_text="x")
+
+
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
     prompt = random_prompts(1, (20, 20), seed=10)[0]

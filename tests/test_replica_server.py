@@ -6,6 +6,7 @@ One replica serves most tests (module fixture); the kill -9 and SIGTERM tests st
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -223,6 +224,71 @@ def test_resume_token_ids_continue_the_budget(replica: ReplicaProcess, tok: Toke
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 8)
 
 
+def test_resume_text_chars_streams_the_text_the_client_missed(
+    replica: ReplicaProcess, tok: Tokenizer
+):
+    prompt = tok.encode("a stop string that spans the point where the stream failed over")
+    full = run(
+        replica.gen, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=greedy(8))
+    )
+    ids = [t for m in full for t in m.token_ids]
+    texts = [m.text for m in full]  # one token per message
+    text = "".join(texts)
+    assert "\ufffd" not in text  # random weights: no invalid UTF-8 run to render differently
+    ends = list(itertools.accumulate(len(t) for t in texts))  # text length after each token
+    # Resume after k tokens, with a stop string made of the 2 characters before the resume
+    # point and the 2 after it (their first occurrence): one that spans the point.
+    k = next(
+        k
+        for k in range(3, len(texts))
+        if ends[k - 1] >= 4
+        and len(texts[k]) >= 2
+        and text.find(text[ends[k - 1] - 2 : ends[k - 1] + 2]) == ends[k - 1] - 2
+    )
+    head = text[: ends[k - 1]]
+    stop = text[len(head) - 2 : len(head) + 2]
+
+    def resume(chars: int | None, **sampling) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt), sampling=greedy(8, **sampling),
+            resume_token_ids=ids[:k],
+        )  # fmt: skip
+        if chars is not None:
+            request.resume_text_chars = chars
+        return run(replica.gen, request)
+
+    # The text past resume_text_chars comes first; all of it received is the same as unset.
+    for missing in (len(head), 3, 0):
+        resumed = resume(len(head) - missing)
+        assert [t for m in resumed for t in m.token_ids] == ids[k:]
+        assert resumed[0].text.startswith(head[len(head) - missing :])
+        assert "".join(m.text for m in resumed) == text[len(head) - missing :]
+    unset = resume(None)
+    assert [m.text for m in unset] == [m.text for m in resume(len(head))]
+
+    # Undisturbed, the stop string's first 2 characters are held back after k tokens; resumed
+    # from what the client had then, the stop string still stops the output at the same place.
+    ref = run(
+        replica.gen,
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=greedy(8, stop=[stop])),
+    )
+    ref_text = "".join(m.text for m in ref)
+    assert ref_text == text[: len(head) - 2] and ref[-1].stop_reason == stop
+    received = "".join(m.text for m in ref[:k])
+    assert len(received) < len(head) and not ref[k - 1].finish_reason
+    resumed = resume(len(received), stop=[stop])
+    assert received + "".join(m.text for m in resumed) == ref_text
+    assert [t for m in resumed for t in m.token_ids] == [t for m in ref[k:] for t in m.token_ids]
+    assert (resumed[-1].finish_reason, resumed[-1].stop_reason) == ("stop", stop)
+    assert resumed[-1].usage.completion_tokens == ref[-1].usage.completion_tokens
+
+    # Unsent text that already holds a whole stop string is no continuation of a live sample.
+    with pytest.raises(grpc.RpcError) as err:
+        resume(0, stop=[head[1:3]])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resume_text_chars" in err.value.details()
+
+
 def test_redis_block_set_equals_engine_set_under_eviction(replica, redis_handle, tok):
     client = redis.Redis.from_url(redis_handle.url)
     lease = client.hgetall(layout.lease_key("rep-a", NS))
@@ -327,6 +393,11 @@ BAD_REQUESTS = [
     ("resume_token_ids", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=2),
                                             resume_token_ids=[5, 6])),
     ("resume_token_ids", pb.GenerateRequest(text="hi", resume_token_ids=[-1])),
+    ("resume_text_chars", pb.GenerateRequest(text="hi", resume_token_ids=[5, 6],
+                                             resume_text_chars=-1)),
+    ("resume_text_chars", pb.GenerateRequest(text="hi", resume_token_ids=[5, 6],
+                                             resume_text_chars=10**6)),
+    ("resume_text_chars", pb.GenerateRequest(text="hi", resume_text_chars=1)),
 ]  # fmt: skip
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from helpers import make_tiny_tokenizer
+
+from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
 from replica.outputs import StepOutput, TokenLogprobs
 from replica.request_mapping import engine_request, response, sampling_params
@@ -81,6 +85,37 @@ def test_resume_tokens_extend_the_prompt_and_use_the_budget() -> None:
     final = StepOutput("e", 0, [5], "x", True, "length", None, 5, 4, 7)
     usage = response(final, "client", "r1", req).usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (2, 10, 2)
+
+
+def test_resume_text_chars_maps_to_the_unsent_text(tmp_path: Path) -> None:
+    vocab = make_tiny_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    prompt, resumed = tok.encode("hello world,"), tok.encode(" the cache prefix")
+    text = " the cache prefix"
+
+    def mapped(chars: int | None, **sampling):
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt),
+            resume_token_ids=resumed,
+            sampling=pb.SamplingParams(max_tokens=16, **sampling),
+        )
+        if chars is not None:
+            request.resume_text_chars = chars
+        return engine_request(request, tok, vocab)
+
+    assert mapped(None).unsent_text == mapped(len(text)).unsent_text == ""
+    assert mapped(4).unsent_text == text[4:] == " cache prefix"
+    assert mapped(0).unsent_text == text
+    for bad in (-1, len(text) + 1):
+        with pytest.raises(ValueError, match="resume_text_chars"):
+            mapped(bad)
+    # A whole stop string in the unsent text: that sample had stopped already ...
+    with pytest.raises(ValueError, match="resume_text_chars=4 .* 'cache'"):
+        mapped(4, stop=["cache"])
+    # ... unless its replica was not matching stop strings yet (min_tokens not reached).
+    assert mapped(4, stop=["cache"], min_tokens=len(resumed) + 1).unsent_text == " cache prefix"
+    no_resume = pb.GenerateRequest(text="hi", resume_text_chars=0)
+    assert engine_request(no_resume, tok, vocab).unsent_text == ""
 
 
 def test_chat_and_response_fields() -> None:

@@ -26,7 +26,7 @@ from helpers import free_port, start_redis
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig, parse_config
-from router.echo_replica import EchoReplica, expected_output
+from router.echo_replica import EchoReplica, expected_output, token_text
 from router.server import RouterServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,6 +305,62 @@ def test_a_lost_final_message_is_completed_by_the_router(redis_server: str) -> N
             assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (5, 3)
             # Nothing was left to generate: no replica got a resume request.
             assert not any(r.resume_token_ids for rep in c.replicas for r in rep.received)
+
+    asyncio.run(scenario())
+
+
+def texts_of(responses: list[pb.GenerateResponse]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for r in responses:
+        out[r.index] = out.get(r.index, "") + r.text
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("completed", [False, True], ids=["never-matched", "matched-after"])
+def test_text_held_back_for_a_stop_string_survives_a_mid_stream_death(
+    redis_server: str, completed: bool, n: int
+) -> None:
+    prompt = list(range(600, 612))
+    t = [token_text(x) for x in expected_output(prompt, 8)]
+    # Tokens 2 and 3 start the stop string, so a replica holds their text back; it dies right
+    # after token 3. The stop string is then either never completed or completed by token 4,
+    # which the resuming replica generates.
+    stop = t[2] + t[3] + (t[4] if completed else "!")
+
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2) as c:
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingParams(max_tokens=8, n=n, stop=[stop]),
+            )
+            undisturbed = [r async for r in c.generator.Generate(request, timeout=10)]
+            for replica in c.replicas:
+                replica.fail_after = 4
+            disturbed = [r async for r in c.generator.Generate(request, timeout=10)]
+
+            want = "".join(t[:2]) if completed else "".join(t)
+            assert texts_of(undisturbed) == {i: want for i in range(n)}
+            assert texts_of(disturbed) == texts_of(undisturbed)
+            for i in range(n):
+                mine = [r for r in disturbed if r.index == i]
+                ref = [r for r in undisturbed if r.index == i]
+                assert tokens_of(mine) == tokens_of(ref)
+                assert (mine[-1].finish_reason, mine[-1].stop_reason) == (
+                    ref[-1].finish_reason, ref[-1].stop_reason,
+                )  # fmt: skip
+                assert mine[-1].usage.completion_tokens == ref[-1].usage.completion_tokens
+            # The death really came while text was held back: 4 tokens, 2 tokens' text.
+            dead = disturbed[0].replica_id
+            before = [r for r in disturbed if r.replica_id == dead]
+            assert {len(tokens_of([r for r in before if r.index == i])) for i in range(n)} == {4}
+            assert texts_of(before) == {i: t[0] + t[1] for i in range(n)}
+            survivor = next(r for r in c.replicas if r.replica_id != dead)
+            resumes = [r for r in survivor.received if r.resume_token_ids]
+            assert len(resumes) == n
+            assert all(r.resume_text_chars == len(t[0] + t[1]) for r in resumes)
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.routing.failovers == 1 and state.routing.errors == 0
 
     asyncio.run(scenario())
 
