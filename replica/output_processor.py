@@ -91,7 +91,9 @@ class OutputProcessor:
             num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             reason = "length"
-        if reason is not None and stop_reason is None:
+        if reason is not None and not isinstance(stop_reason, str):
+            # Finished other than by a stop string (EOS, a stop token id, length): the text
+            # held back for a possible stop-string match is output text after all.
             emit += state.stop.flush()
         if state.unsent:
             emit, state.unsent = state.unsent + emit, ""

@@ -245,6 +245,33 @@ def test_unsent_text_comes_first_through_the_stop_string_matcher(tiny_model_dir)
         engine.add_request("d", prompt, SamplingParams(n=2), unsent_text="x")
 
 
+def test_a_stop_token_releases_text_held_back_for_a_stop_string(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    prompt = random_prompts(1, (20, 20), seed=10)[0]
+    ids = llm.generate([prompt], GREEDY)[0].token_ids
+    # The first k tokens have text, and token k does not occur among them: stopping on it ends
+    # the sample right after them.
+    k, before = next(
+        (k, text)
+        for k in range(1, len(ids))
+        if ids[k] not in ids[:k]
+        and (text := llm.generate([prompt], SamplingParams(temperature=0, max_tokens=k,
+                                                              ignore_eos=True))[0].text)
+    )  # fmt: skip
+    # A stop string that the text's last character may begin: the matcher holds it back until
+    # the next token, which is the stop token.
+    stop = before[-1] + "\x01"
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], stop_token_ids=[ids[k]]
+    )
+    out = llm.generate([prompt], params)[0]
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", ids[k])
+    assert out.token_ids == ids[: k + 1]
+    assert out.text == before  # the held-back character included, the stop token's text not
+    streamed = "".join(d.new_text for d in llm.generate_stream([prompt], params))
+    assert streamed == before
+
+
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
     prompt = random_prompts(1, (20, 20), seed=10)[0]
