@@ -17,6 +17,7 @@ import torch
 
 from prefixmesh.hashing import BlockHash
 from prefixmesh.tokenizer import Tokenizer
+from replica.allocator import keep_freed_memory
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
 from replica.loader import load_model_config, load_state_dict, resolve_model
@@ -108,6 +109,8 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, num_blocks * self.block_size)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         device = torch.device(config.device)
+        if device.type == "cpu":
+            keep_freed_memory()  # activations reuse warm heap memory (replica/allocator.py)
         swap = config.preemption_mode == "swap" or (
             config.preemption_mode == "auto" and device.type == "cuda"
         )
