@@ -88,7 +88,25 @@ def bench_throughput(args) -> dict:
         f"token {result['prefill_phase_s']:.1f} s, then {decode_steps} decode steps of all "
         f"{args.num_prompts} at {result['decode_step_ms']:.0f} ms each"
     )
-    del llm
+    engine = llm.engine
+    if args.floor:
+        result.update(
+            matmul_floor(
+                engine.runner.model,
+                prompt_tokens=args.num_prompts * args.input_len,
+                chunk=engine.config.max_num_batched_tokens,
+                num_seqs=args.num_prompts,
+                output_len=args.output_len,
+            )
+        )
+        print(
+            f"matmul floor (the model's linear layers alone at the workload's shapes, best of "
+            f"3 each): {result['floor_s']:.1f} s = {result['floor_prefill_s']:.1f} s prefill "
+            f"in {engine.config.max_num_batched_tokens}-token steps + "
+            f"{result['floor_decode_s']:.1f} s decode; prefixmesh took "
+            f"{ours_s / result['floor_s']:.2f}x the floor"
+        )
+    del llm, engine
 
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -119,6 +137,12 @@ def bench_throughput(args) -> dict:
             f"{hf_s:.2f} s = {hf_tokens / hf_s:.1f} tok/s"
         )
         print(f"ratio prefixmesh / HF: {result['ratio_vs_hf']:.2f}x")
+        if args.floor:
+            result["floor_ratio_vs_hf"] = hf_s / result["floor_s"]
+            print(
+                f"HF's time / matmul floor: {result['floor_ratio_vs_hf']:.2f}x (the most any "
+                f"engine doing these matmuls could be ahead of HF in this run)"
+            )
 
     if args.vllm_python:
         vllm = _run_vllm(args, prompts, result["dtype"])
@@ -130,6 +154,57 @@ def bench_throughput(args) -> dict:
                 f" s); ratio prefixmesh / vLLM: {result['ratio_vs_vllm']:.2f}x"
             )
     return result
+
+
+def matmul_floor(model, prompt_tokens: int, chunk: int, num_seqs: int, output_len: int) -> dict:
+    """Seconds the workload's matmuls alone take in this process: a bound no engine beats.
+
+    Every linear layer (qkv, o, gate_up, down; the LM head) runs with the real weights at the
+    shapes the workload needs at least: each prompt token once, in ``chunk``-row prefill
+    steps; the LM head once per request for its first token; then ``output_len - 1`` decode
+    steps of all ``num_seqs`` sequences, each through every layer and the LM head. Each shape
+    is timed as the best of three passes, so the bound is optimistic. Attention, norms, RoPE
+    and sampling come on top of it.
+    """
+    import torch
+
+    from kernels.cpu_linear import linear
+
+    c = model.config
+
+    def best_of_three(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def layers_s(rows: int) -> float:
+        def inputs(width: int) -> torch.Tensor:
+            return torch.randn(rows, width).to(model.dtype)
+
+        x, attn, act = inputs(c.hidden_size), inputs(model.q_size), inputs(c.intermediate_size)
+
+        def run() -> None:
+            for layer in model.layers:
+                linear(x, layer["qkv"], layer["qkv_bias"])
+                linear(attn, layer["o"])
+                linear(x, layer["gate_up"])
+                linear(act, layer["down"])
+
+        return best_of_three(run)
+
+    def head_s(rows: int) -> float:
+        x = torch.randn(rows, c.hidden_size).to(model.dtype)
+        return best_of_three(lambda: linear(x, model.lm_head))
+
+    with torch.inference_mode():
+        full, rest = divmod(prompt_tokens, chunk)
+        prefill = full * layers_s(chunk) + (layers_s(rest) if rest else 0.0) + head_s(num_seqs)
+        decode = max(0, output_len - 1) * (layers_s(num_seqs) + head_s(num_seqs))
+    return {"floor_prefill_s": prefill, "floor_decode_s": decode, "floor_s": prefill + decode}
 
 
 def _run_vllm(args, prompts: list[list[int]], dtype: str) -> dict:
@@ -459,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
+    parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the workload's matmuls alone (throughput)",
+    )
     parser.add_argument(
         "--vllm-python",
         default=None,

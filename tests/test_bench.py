@@ -24,8 +24,44 @@ def test_throughput_bench_reports_both_engines_and_its_phases(tiny_model_dir, tm
     phases = result["prefill_phase_s"] + result["decode_phase_s"]
     assert abs(phases - result["prefixmesh_s"]) < 1e-3
     assert abs(result["decode_step_ms"] * 5 / 1000 - result["decode_phase_s"]) < 1e-9
+    # The matmul floor splits into its two parts and bounds HF's lead in the same run.
+    assert result["floor_prefill_s"] > 0 and result["floor_decode_s"] > 0
+    assert result["floor_s"] == result["floor_prefill_s"] + result["floor_decode_s"]
+    assert result["floor_ratio_vs_hf"] == result["hf_s"] / result["floor_s"]
     printed = capsys.readouterr().out
     assert "ratio prefixmesh / HF" in printed and "5 decode steps of all 4" in printed
+    assert "matmul floor" in printed
+
+
+def test_matmul_floor_times_every_linear_at_the_workload_shapes(tiny_model_dir, monkeypatch):
+    from kernels import cpu_linear
+    from replica import LLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    model = llm.engine.runner.model
+    calls: list[tuple[int, int]] = []  # (rows, output width) of every linear call
+    real = cpu_linear.linear
+
+    def counting(x, weight, bias=None):
+        out = real(x, weight, bias)
+        calls.append((x.shape[0], out.shape[-1]))
+        return out
+
+    monkeypatch.setattr(cpu_linear, "linear", counting)
+    result = bench.matmul_floor(model, prompt_tokens=50, chunk=16, num_seqs=3, output_len=5)
+    assert result["floor_s"] == result["floor_prefill_s"] + result["floor_decode_s"] > 0
+    layers = len(model.layers)
+    vocab = llm.engine.model_config.vocab_size
+    # Each shape is run 4 times (a warm-up, then best of 3): prefill in 16-row steps plus a
+    # 2-row rest, the LM head once for 3 rows, and one 3-row decode step (timed once, counted
+    # output_len - 1 times).
+    rows = sorted({r for r, _ in calls})
+    assert rows == [2, 3, 16]
+    assert sum(1 for r, w in calls if w == vocab) == 4 * 2  # prefill's and decode's LM head
+    assert all(r == 3 for r, w in calls if w == vocab)
+    per_pass = 4 * layers  # qkv, o, gate_up, down in every layer
+    assert sum(1 for r, w in calls if r == 16) == 4 * per_pass
+    assert sum(1 for r, w in calls if r == 2) == 4 * per_pass
 
 
 def test_attention_bench_compares_the_kernel_with_the_torch_path(tmp_path, capsys):
