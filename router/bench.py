@@ -11,6 +11,9 @@ and one router process, then measures from this (client) process:
 2. Routed requests per second one router process sustains with ``--concurrency`` requests in
    flight for ``--seconds`` (``max_tokens = 1``). The client, the echo replicas and the router
    share the machine's cores, so this is a lower bound of what the router alone can do.
+3. CPU time per request of the router, of a routing-free passthrough proxy (the floor of any
+   Python gRPC hop) and of the echo replicas, over the sequential phase (from /proc on Linux):
+   it tells whether a hop's latency is work on the CPU or waiting for one.
 
 Prints a JSON summary and a Markdown table for docs/router.md.
 """
@@ -68,6 +71,15 @@ def _scrape(port: int) -> str:
         return reply.read().decode()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _request(prefixes: list[list[int]], rng: random.Random) -> pb.GenerateRequest:
     prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(8)]
     return pb.GenerateRequest(
@@ -106,9 +118,18 @@ async def _serve_passthrough(target: str) -> None:
 
 
 async def _measure(
-    args: argparse.Namespace, router_addr: str, metrics_port: int = 0, passthrough: str = ""
+    args: argparse.Namespace,
+    router_addr: str,
+    metrics_port: int = 0,
+    passthrough: str = "",
+    pids: dict[str, int] | None = None,
 ) -> dict[str, float]:
-    """TTFT samples via the router, direct and via the passthrough proxy, then throughput."""
+    """TTFT samples via the router, direct and via the passthrough proxy, then throughput.
+
+    ``pids`` (router, passthrough, echo) adds each process's CPU time per request it served
+    during the sequential phase: how much of a hop is work rather than waiting.
+    """
+    pids = pids or {}
     rng = random.Random(0)
     prefixes = [
         [rng.randrange(1000) for _ in range(args.prompt_tokens)] for _ in range(args.groups)
@@ -133,10 +154,16 @@ async def _measure(
         for stub in (via_router, direct, via_proxy):
             await _ttft(stub, _request(prefixes, rng))
     routed, straight, proxied = [], [], []
+    cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
     for _ in range(args.requests):
         routed.append(await _ttft(via_router, _request(prefixes, rng)))
         straight.append(await _ttft(direct, _request(prefixes, rng)))
         proxied.append(await _ttft(via_proxy, _request(prefixes, rng)))
+    served = {"router": args.requests, "passthrough": args.requests, "echo": 3 * args.requests}
+    cpu_ms = {
+        f"cpu_ms_per_request_{name}": (_cpu_seconds(pid) - cpu_before[name]) * 1000.0 / served[name]
+        for name, pid in pids.items()
+    }
     await proxy_ch.close()
 
     internal: dict[str, float] = {}
@@ -182,6 +209,7 @@ async def _measure(
         "throughput_errors": state.routing.errors,
         "throughput_hit_rate": state.routing.hit_rate,
         **internal,
+        **cpu_ms,
     }
 
 
@@ -240,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(router)
             assert router.stdout is not None
             router.stdout.readline()  # "router listening on ..."
-            result = asyncio.run(_measure(args, f"127.0.0.1:{port}", metrics_port, proxy_addr))
+            pids = {"router": router.pid, "passthrough": proxy.pid, "echo": echo.pid}
+            result = asyncio.run(
+                _measure(args, f"127.0.0.1:{port}", metrics_port, proxy_addr, pids)
+            )
         finally:
             for proc in procs:
                 proc.terminate()
@@ -266,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         f"| {result['redis_lookup_p50_ms']:.3f} | {result['redis_lookup_p99_ms']:.3f} |\n"
         f"| proxy hop alone: passthrough minus direct (ms) | {result['proxy_hop_p50_ms']:.3f} "
         f"| {result['proxy_hop_p99_ms']:.3f} |\n\n"
+        + "".join(
+            f"CPU per request, {name} process: {result.get(f'cpu_ms_per_request_{name}', 0):.3f} ms"
+            "\n"
+            for name in ("router", "passthrough", "echo")
+        )
+        + "\n"
         f"routed requests/s (one router, {args.concurrency} in flight): "
         f"{result['routed_requests_per_s']:.0f}"
     )
