@@ -64,6 +64,7 @@ class _Attempt:
 class _Progress:
     generated: dict[int, list[int]] = field(default_factory=dict)
     text_chars: dict[int, int] = field(default_factory=dict)  # characters sent to the client
+    client_resumed: int = 0  # the client's own resume_token_ids: they count as completion
     finished: set[int] = field(default_factory=set)
     streamed: bool = False
 
@@ -82,7 +83,7 @@ class Forwarder:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         n = request.sampling.n if request.sampling.HasField("n") and request.sampling.n > 0 else 1
-        progress = _Progress()
+        progress = _Progress(client_resumed=len(request.resume_token_ids))
         queue = [_Attempt(request, list(range(n)))]
         excluded: set[str] = set()
         tries = failures = 0
@@ -144,8 +145,9 @@ class Forwarder:
                     done = progress.generated.get(i, [])
                     if i in progress.finished:
                         continue
-                    if len(done) >= budget:  # only the final message was lost
-                        yield _final(request, i, handle.replica_id, prompt_ids, len(done))
+                    if progress.client_resumed + len(done) >= budget:  # only the final was lost
+                        completion = progress.client_resumed + len(done)
+                        yield _final(request, i, handle.replica_id, prompt_ids, completion)
                         progress.finished.add(i)
                         continue
                     chars = progress.text_chars.get(i, 0)
@@ -178,7 +180,10 @@ class Forwarder:
             resumed = len(attempt.request.resume_token_ids) > 0
             if resumed and prompt_ids is not None:
                 resp.usage.prompt_tokens = len(prompt_ids)
-                resp.usage.completion_tokens = len(progress.generated[index])
+                # As a replica counts them: resumed tokens (the client's own, then ours) are
+                # completion tokens, not prompt tokens.
+                generated = len(progress.generated[index])
+                resp.usage.completion_tokens = progress.client_resumed + generated
                 resp.usage.cached_tokens = min(resp.usage.cached_tokens, len(prompt_ids))
             stats = plan.handle.stats
             stats.prompt_tokens += resp.usage.prompt_tokens
@@ -200,14 +205,14 @@ def _max_tokens(request: pb.GenerateRequest, default: int) -> int:
 
 
 def _final(
-    request: pb.GenerateRequest, index: int, replica_id: str, prompt_ids: list[int], done: int
+    request: pb.GenerateRequest, index: int, replica_id: str, prompt_ids: list[int], completion: int
 ) -> pb.GenerateResponse:
     """The last message of a sample whose tokens all arrived before its replica died."""
     final = pb.GenerateResponse(
         request_id=request.request_id, index=index, finish_reason="length", replica_id=replica_id
     )
     final.usage.prompt_tokens = len(prompt_ids)
-    final.usage.completion_tokens = done
+    final.usage.completion_tokens = completion
     return final
 
 

@@ -240,6 +240,38 @@ def test_mid_stream_death_resumes_elsewhere_with_identical_output(redis_server: 
     asyncio.run(scenario())
 
 
+def test_client_resume_tokens_count_as_completion_as_on_a_replica(redis_server: str) -> None:
+    async def scenario() -> None:
+        async with cluster(redis_server, n=2, step_delay_s=0.02) as c:
+            prompt = list(range(400, 420))
+            full = expected_output(prompt, 10)
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                resume_token_ids=full[:3],
+                sampling=pb.SamplingParams(max_tokens=10),
+            )
+            async with grpc.aio.insecure_channel(c.replicas[0].address) as channel:
+                direct = pb_grpc.GeneratorStub(channel).Generate(request, timeout=10)
+                reference = [r async for r in direct][-1].usage
+            assert (reference.prompt_tokens, reference.completion_tokens) == (20, 10)
+            routed = [r async for r in c.generator.Generate(request, timeout=10)]
+            assert [t for r in routed for t in r.token_ids] == full[3:]
+            assert routed[-1].usage.completion_tokens == reference.completion_tokens
+            assert routed[-1].usage.prompt_tokens == reference.prompt_tokens
+            # The same after a mid-stream death: the router's own resume adds to the client's.
+            tokens, killed = [], None
+            async for resp in c.generator.Generate(request, timeout=10):
+                tokens += resp.token_ids
+                if len(tokens) == 2 and killed is None:
+                    killed = c.by_address()[resp.replica_id]
+                    await killed.kill()
+                final = resp
+            assert killed is not None and tokens == full[3:]
+            assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (20, 10)
+
+    asyncio.run(scenario())
+
+
 def test_parallel_samples_resume_one_by_one(redis_server: str) -> None:
     async def scenario() -> None:
         async with cluster(redis_server, n=2, step_delay_s=0.02) as c:
