@@ -109,7 +109,8 @@ _HELP: dict[str, str] = {
     "(empty = standalone, no Redis)",
     "namespace": "prefix of every Redis key, so several clusters can share one Redis",
     "model": "model name ('smollm2'), Hugging Face folder or .gguf file",
-    "dtype": "weights and KV cache dtype: auto (bfloat16), float32, bfloat16 or float16",
+    "dtype": "weights and KV cache dtype: auto (bfloat16 on CUDA and on CPUs with AVX-512 BF16 "
+    "or AMX, else float32), float32, bfloat16 or float16",
     "block_size": "tokens per KV cache block (the prefix-cache granularity)",
     "num_blocks": "KV cache blocks (0 = sized from --kv-cache-gb)",
     "kv_cache_gb": "KV cache memory in GiB; ignored if --num-blocks is set",
