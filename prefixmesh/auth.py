@@ -1,19 +1,22 @@
-"""The optional API key of the front doors (``--api-key`` / ``PREFIXMESH_API_KEY``). Torch-free.
+"""The optional API key of routers and replicas (``--api-key`` / ``PREFIXMESH_API_KEY``).
 
 HTTP clients send ``Authorization: Bearer <key>``; gRPC clients send the same as metadata
-(``authorization: Bearer <key>``). Health checking and reflection stay open so load balancers
-and ``grpcurl`` keep working; so do HTTP ``/health`` and ``/metrics``.
+(``authorization: Bearer <key>``); a router sends its ``--replica-api-key`` (else its
+``--api-key``) to the replicas. Health checking and reflection stay open so load balancers
+and ``grpcurl`` keep working; so do HTTP ``/health`` and ``/metrics``. Torch-free.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+API_KEY_ENV = "PREFIXMESH_API_KEY"
 
 
 def bearer_ok(header: str | None, api_key: str) -> bool:
@@ -28,6 +31,21 @@ def bearer_ok(header: str | None, api_key: str) -> bool:
 def bearer_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
     """gRPC metadata that passes ``ApiKeyInterceptor`` (empty without a key)."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def client_api_key(flag: str | None) -> str:
+    """A client command's key: its ``--api-key`` if given, else ``PREFIXMESH_API_KEY``.
+
+    Read here rather than as the argparse default, so ``--help`` never prints the key.
+    """
+    return os.environ.get(API_KEY_ENV, "") if flag is None else flag
+
+
+def missing_key_hint(code: grpc.StatusCode | None, api_key: str) -> str:
+    """What to add to an UNAUTHENTICATED error when the client sent no key ("" otherwise)."""
+    if code is grpc.StatusCode.UNAUTHENTICATED and not api_key:
+        return f" (no API key sent: pass --api-key or set {API_KEY_ENV})"
+    return ""
 
 
 def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

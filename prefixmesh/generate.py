@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from prefixmesh.auth import bearer_metadata, client_api_key, missing_key_hint
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -48,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--router",
         default=os.environ.get("PREFIXMESH_ROUTER", DEFAULT_ROUTER),
         help="router (or replica) address host:port [env PREFIXMESH_ROUTER]",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="API key of the router (or replica) started with --api-key, sent as gRPC metadata "
+        "'authorization: Bearer <key>' [env PREFIXMESH_API_KEY] (value not shown)",
     )
     parser.add_argument(
         "--chat",
@@ -110,6 +117,7 @@ def stream(
     timeout_s: float,
     echo: bool = True,
     connect_timeout_s: float = 10.0,
+    api_key: str = "",
 ) -> GenerateResult:
     """Run one Generate call, writing text deltas to stdout as they arrive if ``echo``.
 
@@ -125,7 +133,8 @@ def stream(
             ) from None
         stub = pb_grpc.GeneratorStub(channel)
         start = time.perf_counter()
-        for msg in stub.Generate(request, timeout=timeout_s):
+        metadata = bearer_metadata(api_key) or None
+        for msg in stub.Generate(request, timeout=timeout_s, metadata=metadata):
             if msg.index != 0:
                 continue  # only n=1 is shown; the flags never ask for more
             if msg.text or msg.token_ids:
@@ -162,15 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     request = build_request(args, prompt)
+    api_key = client_api_key(args.api_key)
     try:
-        result = stream(args.router, request, args.timeout, not args.json, args.connect_timeout)
+        result = stream(
+            args.router, request, args.timeout, not args.json, args.connect_timeout, api_key
+        )
     except ConnectionError as err:
         print(f"prefixmesh generate: {err}", file=sys.stderr)
         return 1
     except grpc.RpcError as err:
         code = err.code().name if err.code() else "UNKNOWN"
+        hint = missing_key_hint(err.code(), api_key)
         print(
-            f"\nprefixmesh generate: {code}: {err.details()} (router {args.router})",
+            f"\nprefixmesh generate: {code}: {err.details()} (router {args.router}){hint}",
             file=sys.stderr,
         )
         return 1

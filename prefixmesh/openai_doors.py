@@ -19,7 +19,9 @@ def _loopback(host: str, grpc_port: int) -> str:
     return f"{host}:{grpc_port}"
 
 
-async def start_replica_http(server: Any, host: str, http_port: int) -> OpenAIHttpServer:
+async def start_replica_http(
+    server: Any, host: str, http_port: int, api_key: str = ""
+) -> OpenAIHttpServer:
     """The front door of one ``replica.server.ReplicaServer`` (after its gRPC server started)."""
     engine = server.engine
 
@@ -33,6 +35,7 @@ async def start_replica_http(server: Any, host: str, http_port: int) -> OpenAIHt
         tokenizer=lambda: engine.tokenizer,
         ready=ready,
         registry=server.metrics.registry,
+        api_key=api_key,
     )
     http = OpenAIHttpServer(door, host, http_port)
     await http.start()

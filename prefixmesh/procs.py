@@ -43,11 +43,12 @@ def _die_with_parent() -> None:
 @dataclass(frozen=True, slots=True)
 class ProcessSpec:
     """What to run: ``critical`` children (router, Redis) take the cluster down when they die
-    and are not restarted."""
+    and are not restarted. ``env`` is set on top of the supervisor's own environment; it may
+    hold secrets (an API key stays out of ``argv``, which is logged and shown by ``ps``)."""
 
     name: str
     argv: Sequence[str]
-    env: dict[str, str] | None = None
+    env: dict[str, str] | None = field(default=None, repr=False)
     critical: bool = False
 
 
@@ -106,7 +107,7 @@ class Supervisor:
         self.sink.line("up", text)
 
     def start(self, spec: ProcessSpec, restarts: int = 0) -> Child:
-        env = dict(os.environ if spec.env is None else spec.env)
+        env = {**os.environ, **(spec.env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")  # so log lines arrive as they are written
         proc = subprocess.Popen(
             list(spec.argv),

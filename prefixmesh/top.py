@@ -3,7 +3,7 @@
 Each refresh reads the router's ``Cluster.ListReplicas`` and, unless ``--no-replica-stats``,
 each replica's ``Replica.GetStats`` (engine-side hit rate, generated tokens). Rates (tokens/s)
 are deltas between two refreshes, so the first frame shows ``-`` for them. ``--once`` prints
-one frame and exits (scripts and tests).
+one frame and exits (scripts and tests). ``--api-key`` goes to the router and to the replicas.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from prefixmesh.auth import bearer_metadata, client_api_key, missing_key_hint
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -33,25 +34,36 @@ class Snapshot:
     at: float
     state: pb.ClusterState
     stats: dict[str, pb.ReplicaStats] = field(default_factory=dict)  # by replica_id
+    refused: list[str] = field(default_factory=list)  # replicas that refused the API key
 
 
 class Poller:
     """Keeps one channel to the router and one per replica address across refreshes."""
 
-    def __init__(self, router: str, replica_stats: bool = True, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, router: str, replica_stats: bool = True, timeout_s: float = 2.0, api_key: str = ""
+    ) -> None:
         self.router = router
         self.replica_stats = replica_stats
         self.timeout_s = timeout_s
+        self._metadata = bearer_metadata(api_key) or None
         self._router_channel = grpc.insecure_channel(router)
         self._cluster = pb_grpc.ClusterStub(self._router_channel)
         self._replicas: dict[str, tuple[grpc.Channel, pb_grpc.ReplicaStub]] = {}
 
     def poll(self) -> Snapshot:
-        state = self._cluster.ListReplicas(pb.Empty(), timeout=self.timeout_s)
+        state = self._cluster.ListReplicas(
+            pb.Empty(), timeout=self.timeout_s, metadata=self._metadata
+        )
         snap = Snapshot(at=time.monotonic(), state=state)
         if self.replica_stats:
             for info in state.replicas:
-                stats = self._replica_stats(info.address)
+                try:
+                    stats = self._replica_stats(info.address)
+                except grpc.RpcError as err:  # the row still shows the router's view
+                    if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+                        snap.refused.append(info.replica_id)
+                    continue
                 if stats is not None:
                     snap.stats[info.replica_id] = stats
         return snap
@@ -62,10 +74,8 @@ class Poller:
         if address not in self._replicas:
             channel = grpc.insecure_channel(address)
             self._replicas[address] = (channel, pb_grpc.ReplicaStub(channel))
-        try:
-            return self._replicas[address][1].GetStats(pb.Empty(), timeout=self.timeout_s)
-        except grpc.RpcError:
-            return None  # an unreachable replica still shows the router's view of it
+        stub = self._replicas[address][1]
+        return stub.GetStats(pb.Empty(), timeout=self.timeout_s, metadata=self._metadata)
 
     def close(self) -> None:
         self._router_channel.close()
@@ -134,7 +144,14 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         f"errors {r.errors}   predicted cached {r.predicted_cached_tokens} / actual "
         f"{r.actual_cached_tokens} tokens"
     )
-    return Group(header, table, routing)
+    if not cur.refused:
+        return Group(header, table, routing)
+    refused = Text(
+        f"replica stats: {', '.join(cur.refused)} refused the API key (--api-key / "
+        "PREFIXMESH_API_KEY must be the replicas' key; --no-replica-stats asks only the router)",
+        style="yellow",
+    )
+    return Group(header, table, routing, refused)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("PREFIXMESH_ROUTER", DEFAULT_ROUTER),
         help="router address host:port [env PREFIXMESH_ROUTER]",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="API key sent to the router and to each replica (for their stats) as gRPC "
+        "metadata 'authorization: Bearer <key>' [env PREFIXMESH_API_KEY] (value not shown)",
+    )
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument(
@@ -162,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    poller = Poller(args.router, replica_stats=args.replica_stats)
+    api_key = client_api_key(args.api_key)
+    poller = Poller(args.router, replica_stats=args.replica_stats, api_key=api_key)
     # A pipe gets a wide fixed console, so one frame is one table, not a wrapped one.
     console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
     try:
@@ -177,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     live.update(render(cur, prev), refresh=True)
                     prev = cur
                 except grpc.RpcError as err:
+                    if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+                        raise  # a key does not fix itself: say so and exit
                     live.update(
                         Text(
                             f"router {args.router}: {err.code().name} {err.details()} (retrying)",
@@ -186,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 time.sleep(args.interval)
     except grpc.RpcError as err:
+        hint = missing_key_hint(err.code(), api_key)
         print(
-            f"prefixmesh top: router {args.router}: {err.code().name}: {err.details()}",
+            f"prefixmesh top: router {args.router}: {err.code().name}: {err.details()}{hint}",
             file=sys.stderr,
         )
         return 1

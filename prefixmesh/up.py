@@ -4,6 +4,8 @@ Start order: Redis (embedded unless ``--redis`` is given), the model resolved on
 replicas do not fetch/convert it at once), the replicas (each waited for until gRPC health says
 SERVING), then the router. Every child's output is streamed with a ``name |`` prefix. Ctrl-C or
 SIGTERM stops the router, then the replicas, then Redis (SIGTERM, grace period, SIGKILL).
+``--api-key`` reaches the router and every replica through their environment, never their
+command lines (which are logged).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixmesh.auth import API_KEY_ENV, bearer_metadata, client_api_key
 from prefixmesh.procs import (
     Child,
     LogSink,
@@ -53,6 +56,7 @@ class UpConfig:
     color: bool = True
     replica_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    api_key: str = field(default="", repr=False)  # the router's and every replica's
 
     def threads_per_replica(self) -> int:
         """Split the cores between replicas, so N replicas do not oversubscribe the CPU."""
@@ -150,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra flag passed to the router (repeat)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="API key of the router and every replica (their --api-key): clients send "
+        "'Authorization: Bearer <key>' [env PREFIXMESH_API_KEY] (value not shown)",
+    )
     return parser
 
 
@@ -167,6 +177,7 @@ def parse_config(argv: list[str]) -> UpConfig:
         metrics=args.metrics, restart=args.restart, grace_period=args.grace_period,
         startup_timeout=args.startup_timeout, color=color,
         replica_args=tuple(args.replica_arg), router_args=tuple(args.router_arg),
+        api_key=client_api_key(args.api_key),
     )  # fmt: skip
 
 
@@ -219,6 +230,10 @@ def make_plan(cfg: UpConfig) -> Plan:
         )
         redis_url = f"redis://{inner_host}:{port}/0"
     metrics: dict[str, int] = {}
+    # Set even when empty, so an explicit `--api-key ""` beats a PREFIXMESH_API_KEY in the
+    # environment; the router presents its own key to the replicas (they have the same one).
+    replica_env = {API_KEY_ENV: cfg.api_key}
+    router_env = {API_KEY_ENV: cfg.api_key, "PREFIXMESH_REPLICA_API_KEY": ""}
     threads = cfg.threads_per_replica()
     replica_specs, addresses = [], []
     for i in range(cfg.replicas):
@@ -232,7 +247,7 @@ def make_plan(cfg: UpConfig) -> Plan:
         if cfg.metrics:
             metrics[name] = free_port(inner_host)
             argv += ["--metrics-port", str(metrics[name])]
-        replica_specs.append(ProcessSpec(name, argv + list(cfg.replica_args)))
+        replica_specs.append(ProcessSpec(name, argv + list(cfg.replica_args), replica_env))
         addresses.append(f"{inner_host}:{port}")
     router_argv = _cli(
         "router", "--host", cfg.host, "--port", str(cfg.port), "--redis", redis_url,
@@ -243,28 +258,42 @@ def make_plan(cfg: UpConfig) -> Plan:
     if cfg.metrics:
         metrics[ROUTER] = free_port(inner_host)
         router_argv += ["--metrics-port", str(metrics[ROUTER])]
-    router_spec = ProcessSpec(ROUTER, router_argv + list(cfg.router_args), critical=True)
+    router_spec = ProcessSpec(
+        ROUTER, router_argv + list(cfg.router_args), router_env, critical=True
+    )
     dial_host = inner_host if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     return Plan(redis_url, redis_spec, replica_specs, addresses, router_spec,
                 f"{dial_host}:{cfg.port}", metrics)  # fmt: skip
 
 
 def banner(cfg: UpConfig, plan: Plan) -> str:
+    """What to try once the cluster is up (never the API key itself: it names the variable)."""
     r = plan.router_address
     lines = [
         f"prefixmesh is up: router {r}, {cfg.replicas} replica(s) "
         f"({', '.join(plan.replica_addresses)}), redis {plan.redis_url}",
+    ]
+    grpc_auth = http_auth = ""
+    if cfg.api_key:
+        lines.append(
+            f"API key required by the router and the replicas: export {API_KEY_ENV}=<key> "
+            "(or pass --api-key <key>) for generate, top and loadtest"
+        )
+        grpc_auth = f' -H "authorization: Bearer ${API_KEY_ENV}"'
+        http_auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"'
+    lines += [
         "try:",
         f'  prefixmesh generate --router {r} "Write a haiku about caches."',
         f'  prefixmesh generate --router {r} --chat "What is the capital of France?"',
         f"  prefixmesh top --router {r}",
-        '  grpcurl -plaintext -d \'{"text": "Hello", "sampling": {"max_tokens": 32}}\' '
-        f"{r} prefixmesh.v1.Generator/Generate",
+        f"  grpcurl -plaintext{grpc_auth} "
+        + """-d '{"text": "Hello", "sampling": {"max_tokens": 32}}' """
+        + f"{r} prefixmesh.v1.Generator/Generate",
     ]
     if cfg.http_port:
         dial = r.rsplit(":", 1)[0]
         lines.append(
-            f"  curl http://{dial}:{cfg.http_port}/v1/chat/completions"
+            f"  curl http://{dial}:{cfg.http_port}/v1/chat/completions{http_auth}"
             + """ -H 'Content-Type: application/json' -d '{"model": "smollm2", """
             + """"messages": [{"role": "user", "content": "Hello"}]}'"""
         )
@@ -279,7 +308,9 @@ def banner(cfg: UpConfig, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def wait_router_sees(address: str, replicas: int, timeout_s: float, stop: threading.Event) -> int:
+def wait_router_sees(
+    address: str, replicas: int, timeout_s: float, stop: threading.Event, api_key: str = ""
+) -> int:
     """Wait until the router lists ``replicas`` replicas (discovery runs on a timer)."""
     import grpc
 
@@ -291,7 +322,10 @@ def wait_router_sees(address: str, replicas: int, timeout_s: float, stop: thread
         stub = pb_grpc.ClusterStub(channel)
         while not stop.is_set() and time.monotonic() < deadline:
             try:
-                seen = len(stub.ListReplicas(pb.Empty(), timeout=2.0).replicas)
+                state = stub.ListReplicas(
+                    pb.Empty(), timeout=2.0, metadata=bearer_metadata(api_key) or None
+                )
+                seen = len(state.replicas)
             except grpc.RpcError:
                 pass
             if seen >= replicas:
@@ -326,7 +360,7 @@ class Cluster:
                 sup.log(f"{child.name} is SERVING on {address}")
             router = sup.start(plan.router_spec)
             wait_serving(plan.router_address, cfg.startup_timeout, router.alive, self.stop)
-            seen = wait_router_sees(plan.router_address, cfg.replicas, 30.0, self.stop)
+            seen = wait_router_sees(plan.router_address, cfg.replicas, 30.0, self.stop, cfg.api_key)
             if seen < cfg.replicas and not self.stop.is_set():
                 sup.log(f"warning: the router lists {seen} of {cfg.replicas} replicas so far")
         except (RuntimeError, TimeoutError) as exc:

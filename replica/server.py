@@ -2,7 +2,9 @@
 
 Serves ``Generator`` (streaming generation) and ``Replica`` (load, stats, model info, cache
 state), plus standard health checking and server reflection. The engine runs on its own thread
-(``EngineLoop``); the ``KVPublisher`` keeps the lease, load and block set in Redis exact.
+(``EngineLoop``); the ``KVPublisher`` keeps the lease, load and block set in Redis exact. With
+``--api-key`` every call but health and reflection needs ``authorization: Bearer <key>``
+(routers send it: their ``--replica-api-key``, else their ``--api-key``).
 
 Admission: a request waits (is admitted but has produced nothing yet) in a bounded queue of
 ``--max-queue``; beyond it ``Generate`` answers RESOURCE_EXHAUSTED at once so a router can go
@@ -25,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -77,7 +80,9 @@ class ReplicaServer:
         buffer = KVEventBuffer()
         self.engine.set_kv_event_callback(buffer.append)
 
-        server = grpc.aio.server(options=_GRPC_OPTIONS)
+        # -- API key (prefixmesh/auth.py): every gRPC call but health and reflection --
+        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+        server = grpc.aio.server(interceptors=interceptors, options=_GRPC_OPTIONS)
         pb_grpc.add_GeneratorServicer_to_server(GeneratorService(self), server)
         pb_grpc.add_ReplicaServicer_to_server(ReplicaService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -106,7 +111,7 @@ class ReplicaServer:
         if cfg.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai_doors.py) --
             from prefixmesh.openai_doors import start_replica_http
 
-            self.http = await start_replica_http(self, cfg.host, cfg.http_port)
+            self.http = await start_replica_http(self, cfg.host, cfg.http_port, cfg.api_key)
             self.http_address = f"{self.address.rsplit(':', 1)[0]}:{self.http.port}"
         if cfg.redis:
             self.publisher = KVPublisher(

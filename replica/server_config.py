@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixmesh import settings
@@ -42,6 +42,7 @@ class ServerConfig:
     threads: int = 0
     metrics_port: int = 0
     http_port: int = 0  # OpenAI-compatible HTTP (prefixmesh/openai_http.py)
+    api_key: str = field(default="", repr=False)  # prefixmesh/auth.py; never in a log line
     grace_period: float = 10.0
     attention_backend: str = "auto"
     device: str = "cpu"
@@ -122,6 +123,9 @@ _HELP: dict[str, str] = {
     "metrics_port": "Prometheus /metrics port (0 = off)",
     "http_port": "OpenAI-compatible HTTP port: /v1/completions, /v1/chat/completions, "
     "/v1/models, /health, /metrics (0 = off)",
+    "api_key": "if set, gRPC calls (but health and reflection) need metadata "
+    "'authorization: Bearer <key>' and HTTP /v1/* needs 'Authorization: Bearer <key>'; "
+    "routers send it with their --replica-api-key (or --api-key)",
     "grace_period": "seconds in-flight requests get to finish after SIGTERM before abort",
     "attention_backend": "attention kernels: auto, torch or triton",
     "device": "torch device: cpu or cuda",
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="prefixmesh replica",
         description="Serve one model replica over gRPC (Generator + Replica services, health, "
         "reflection), registered in Redis with its KV cache contents.",
+        secret_fields=("api_key",),
     )
 
 

@@ -11,7 +11,7 @@ import argparse
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixmesh import settings
 
@@ -29,9 +29,11 @@ class RouterConfig:
     router_id: str = ""
     policy: str = "cache_aware"
     metrics_port: int = 0
-    # OpenAI HTTP front door and API key (prefixmesh/openai_http.py, prefixmesh/auth.py).
+    # OpenAI HTTP front door and API keys (prefixmesh/openai_http.py, prefixmesh/auth.py);
+    # keys stay out of repr() so a logged config never shows them.
     http_port: int = 0
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
+    replica_api_key: str = field(default="", repr=False)
     # Cost model and load bound (docs/router.md explains them).
     balance_epsilon: float = 0.5
     balance_slack_tokens: int = 512
@@ -50,6 +52,11 @@ class RouterConfig:
     keepalive_s: float = 30.0
     log_level: str = "INFO"
 
+    def resolved_replica_api_key(self) -> str:
+        """The key sent to replicas: ``--replica-api-key``, else ``--api-key`` (so one
+        ``PREFIXMESH_API_KEY`` for a whole cluster covers both hops)."""
+        return self.replica_api_key or self.api_key
+
     def resolved_router_id(self) -> str:
         """The id other routers see in Redis (default: hostname-pid-random, unique per process)."""
         return self.router_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
@@ -67,6 +74,8 @@ _HELP: dict[str, str] = {
     "/v1/models, /health, /metrics (0 = off)",
     "api_key": "if set, HTTP /v1/* needs 'Authorization: Bearer <key>' and gRPC calls "
     "(but health and reflection) need metadata 'authorization: Bearer <key>'",
+    "replica_api_key": "key sent to the replicas (their --api-key) as gRPC metadata "
+    "'authorization: Bearer <key>' on every call; empty = --api-key",
     "balance_epsilon": "load bound: a replica whose load would exceed (1 + epsilon) x mean "
     "load + slack is skipped (load = outstanding tokens, docs/router.md)",
     "balance_slack_tokens": "load (tokens) below which the bound never bites, so a burst on "
@@ -101,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="prefixmesh router",
         description="Serve the KV-cache-aware router over gRPC (Generator + Cluster services, "
         "health, reflection). Replicas are discovered through their Redis leases.",
-        secret_fields=("api_key",),
+        secret_fields=("api_key", "replica_api_key"),
     )
 
 

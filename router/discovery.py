@@ -9,7 +9,8 @@ last known load.
 
 Per replica it keeps one gRPC channel (reused by every request), the router's own in-flight
 counts and the per-replica statistics the Cluster service reports. Tokenizers are fetched once
-per (model, block_size) from the first replica serving it (``Replica.GetModelInfo``).
+per (model, block_size) from the first replica serving it (``Replica.GetModelInfo``). Every call
+to a replica carries ``metadata`` (the router's replica API key, if any).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from prefixmesh.auth import bearer_metadata
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -114,7 +116,9 @@ class ReplicaHandle:
 class ReplicaView:
     """Live replicas as this router knows them, with channels and tokenizers."""
 
-    def __init__(self, keepalive_s: float = 30.0, dead_grace_s: float = 1.0) -> None:
+    def __init__(
+        self, keepalive_s: float = 30.0, dead_grace_s: float = 1.0, api_key: str = ""
+    ) -> None:
         self.handles: dict[str, ReplicaHandle] = {}
         self.listed: list[str] = []  # ids in the latest successful lookup
         self.tokenizers: dict[GROUP_KEY, object] = {}  # prefixmesh.tokenizer.Tokenizer
@@ -123,6 +127,9 @@ class ReplicaView:
         self._tasks: set[asyncio.Task[None]] = set()
         self.keepalive_s = keepalive_s
         self.dead_grace_s = dead_grace_s
+        # Sent with every call to a replica; None (not ()) is what a call without any wants.
+        self.metadata = bearer_metadata(api_key) or None
+        self._refused: set[tuple[str, str]] = set()  # (replica id, epoch) already logged
 
     # -- updates from Redis ---------------------------------------------------------------
 
@@ -195,6 +202,18 @@ class ReplicaView:
             handle.dead_at = time.time()
             log.warning("replica %s unreachable: out of the routing set", replica_id)
 
+    def key_refused(self, handle: ReplicaHandle) -> str:
+        """``handle`` answered UNAUTHENTICATED: the error message, logged once per replica
+        process. A wrong key is a deployment mistake, not a dead replica: it stays routable."""
+        message = (
+            f"replica {handle.replica_id} refused the router's API key: the router's "
+            "--replica-api-key (else its --api-key) must be the replicas' --api-key"
+        )
+        if (handle.replica_id, handle.lease.epoch) not in self._refused:
+            self._refused.add((handle.replica_id, handle.lease.epoch))
+            log.error("%s", message)
+        return message
+
     # -- queries ----------------------------------------------------------------------------
 
     def live(self) -> list[ReplicaHandle]:
@@ -222,9 +241,16 @@ class ReplicaView:
 
         try:
             try:
-                info: pb.ModelInfo = await handle.admin.GetModelInfo(pb.Empty(), timeout=10.0)
+                info: pb.ModelInfo = await handle.admin.GetModelInfo(
+                    pb.Empty(), timeout=10.0, metadata=self.metadata
+                )
             except grpc.aio.AioRpcError as exc:  # the next discovery round tries again
-                log.warning("GetModelInfo from %s failed: %s", handle.replica_id, exc.code().name)
+                if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                    self.key_refused(handle)
+                else:
+                    log.warning(
+                        "GetModelInfo from %s failed: %s", handle.replica_id, exc.code().name
+                    )
                 return
             if info.hash_scheme and info.hash_scheme != HASH_SCHEME:
                 log.error(

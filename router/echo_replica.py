@@ -20,6 +20,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from prefixmesh import redis_layout as layout
+from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
 from prefixmesh.stop_strings import StopStringMatcher
 from proto import prefixmesh_pb2 as pb
@@ -68,10 +69,13 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
     reject_with: grpc.StatusCode | None = None  # answer every Generate with this error
     lose_final: bool = False  # stream every token, then fail instead of the final message
     fail_after: int = 0  # fail (UNAVAILABLE) after this many tokens of a request not resumed
+    api_key: str = field(default="", repr=False)  # as a replica's --api-key
 
     async def start(self) -> None:
         self.epoch = secrets.token_hex(4)
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(
+            interceptors=[ApiKeyInterceptor(self.api_key)] if self.api_key else []
+        )
         pb_grpc.add_GeneratorServicer_to_server(self, self.server)
         pb_grpc.add_ReplicaServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")

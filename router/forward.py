@@ -24,6 +24,9 @@
   finished by the router (``finish_reason = "length"``) instead of being resumed.
 - Deadlines pass through (the remaining time becomes the upstream timeout); a client
   cancellation cancels the upstream call.
+- Every upstream call carries the router's replica API key. A replica that refuses it
+  (UNAUTHENTICATED) is misconfigured, not failing: the client gets UNAUTHENTICATED with a
+  message naming the router's flags, with no retry, and the replica stays in the routing set.
 """
 
 from __future__ import annotations
@@ -102,7 +105,9 @@ class Forwarder:
                 prompt_ids = plan.prompt_ids
             handle = plan.handle
             timeout = context.time_remaining()
-            call = handle.generator.Generate(attempt.request, timeout=timeout)
+            call = handle.generator.Generate(
+                attempt.request, timeout=timeout, metadata=self.router.view.metadata
+            )
             if tries == 1:
                 self.metrics.overhead.observe(time.perf_counter() - arrival)
             try:
@@ -115,6 +120,9 @@ class Forwarder:
                 queue.pop(0)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
+                if code is grpc.StatusCode.UNAUTHENTICATED:  # the router's key, not the client's
+                    self.metrics.error(code.name)
+                    await context.abort(code, self.router.view.key_refused(handle))
                 failures += 1
                 if (
                     code not in _REPLICA_FAILURES | _BUSY

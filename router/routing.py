@@ -79,7 +79,9 @@ class Router:
         self.config = config
         self.router_id = config.resolved_router_id()
         self.metrics = metrics or RouterMetrics()
-        self.view = ReplicaView(config.keepalive_s, config.dead_grace_s)
+        self.view = ReplicaView(
+            config.keepalive_s, config.dead_grace_s, config.resolved_replica_api_key()
+        )
         self.redis = aioredis.Redis.from_url(
             config.redis,
             socket_timeout=config.redis_timeout_s,

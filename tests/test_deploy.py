@@ -33,6 +33,8 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 MONITORING = {"prometheus", "grafana"}
 # Environment variables that are not flags: the loader's cache folder.
 NOT_FLAGS = {"PREFIXMESH_CACHE"}
+# `${NAME}` / `${NAME:-default}`: compose fills these in from the shell (or deploy/.env).
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 TORCH_LIKE = {"torch", "triton", "transformers", "accelerate", "nvidia-cudnn-cu12"}
 
 
@@ -118,6 +120,8 @@ def test_compose_scales_and_uses_real_flags() -> None:
     for name in ("replica", "router"):
         assert services[name]["command"] == ["prefixmesh", name]
         _check_env_are_flags(name, services[name]["environment"])
+        # One PREFIXMESH_API_KEY in the shell keys the router and every replica.
+        assert services[name]["environment"]["PREFIXMESH_API_KEY"] == "${PREFIXMESH_API_KEY:-}"
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
     sd = jobs["replica"]["dns_sd_configs"][0]
@@ -151,10 +155,13 @@ class LocalCompose:
     """Runs compose services as local processes. The whole substitution is here:
     hostnames -> 127.0.0.1, every *_PORT and Redis' port -> a free port, the model -> the tiny
     model folder, the model cache -> a temp folder, `prefixmesh`/`python`/`redis-server` ->
-    this interpreter / the bundled Redis."""
+    this interpreter / the bundled Redis, `${NAME:-default}` -> ``shell[NAME]`` or default."""
 
-    def __init__(self, services: dict, model: Path, cache: Path) -> None:
+    def __init__(
+        self, services: dict, model: Path, cache: Path, shell: dict[str, str] | None = None
+    ) -> None:
         self.services, self.model, self.cache = services, model, cache
+        self.shell = shell or {}
         self.redis_port = free_port()
         self.router_port = 0
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -175,7 +182,9 @@ class LocalCompose:
         env["PYTHONPATH"] = str(ROOT)
         port = 0
         for key, value in (service.get("environment") or {}).items():
-            value = str(value).replace("redis:6379", f"127.0.0.1:{self.redis_port}")
+            value = INTERPOLATION.sub(
+                lambda m: self.shell.get(m[1]) or m[2] or "", str(value)
+            ).replace("redis:6379", f"127.0.0.1:{self.redis_port}")
             if key.endswith("_PORT"):
                 value = str(free_port())
                 port = int(value) if key == "PREFIXMESH_PORT" else port
@@ -214,7 +223,9 @@ def test_compose_services_serve_a_request_as_local_processes(
 ) -> None:
     services = _compose()["services"]
     assert set(services) - MONITORING == {"redis", "model", "replica", "router"}
-    local = LocalCompose(services, tiny_model_dir, tmp_path / "cache")
+    key = "sk-compose"  # as `PREFIXMESH_API_KEY=sk-compose docker compose up` would set it
+    md = (("authorization", f"Bearer {key}"),)
+    local = LocalCompose(services, tiny_model_dir, tmp_path / "cache", {"PREFIXMESH_API_KEY": key})
     log = tmp_path / "compose.log"
     try:
         local.start("redis", log)
@@ -224,13 +235,21 @@ def test_compose_services_serve_a_request_as_local_processes(
         replicas = [local.start("replica", log) for _ in range(2)]
         for proc, port in replicas:
             wait_serving(f"127.0.0.1:{port}", 300, lambda p=proc: p.poll() is None)
+            with (
+                grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+                pytest.raises(grpc.RpcError) as denied,
+            ):
+                pb_grpc.ReplicaStub(channel).GetStats(pb.Empty(), timeout=5)  # keyed: no key
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
         router, router_port = local.start("router", log)
         address = f"127.0.0.1:{router_port}"
         wait_serving(address, 120, lambda: router.poll() is None)
         with grpc.insecure_channel(address) as channel:
             deadline, listed = time.monotonic() + 30, []
             while len(listed) < 2 and time.monotonic() < deadline:
-                state = pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty(), timeout=5)
+                state = pb_grpc.ClusterStub(channel).ListReplicas(
+                    pb.Empty(), timeout=5, metadata=md
+                )
                 listed = [r.replica_id for r in state.replicas]
                 time.sleep(0.2)
             assert len(listed) == 2, log.read_text()[-3000:]
@@ -238,7 +257,8 @@ def test_compose_services_serve_a_request_as_local_processes(
                 text="hello from compose",
                 sampling=pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
             )
-            out = list(pb_grpc.GeneratorStub(channel).Generate(request, timeout=120))
+            # The router sends the same key on to the (keyed) replica.
+            out = list(pb_grpc.GeneratorStub(channel).Generate(request, timeout=120, metadata=md))
         assert sum(len(m.token_ids) for m in out) == 6
         assert out[-1].finish_reason == "length" and out[-1].replica_id in listed
     finally:

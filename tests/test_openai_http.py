@@ -1,9 +1,11 @@
-"""The OpenAI HTTP front door on a router (with an API key) and on a replica, driven by the
-official ``openai`` client: Redis, one tiny-Llama replica process and one router process."""
+"""The OpenAI HTTP front door on a router and on a replica, driven by the official ``openai``
+client: Redis, one tiny-Llama replica process and one router process, both with one API key
+(the router sends it on to the replica), plus `prefixmesh generate` / `top` with the key."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -67,6 +69,7 @@ class Cluster:
     replica_http: str
     replica_grpc: str
     model: str
+    redis_url: str
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -108,6 +111,7 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
             "replica", "--model", str(tiny_model_dir), "--port", str(rg), "--http-port", str(rh),
             "--redis", redis.url, "--namespace", NS, "--replica-id", "oai-0", "--threads", "1",
             "--dtype", "float32", "--max-model-len", "512", "--num-blocks", "128",
+            "--api-key", KEY,
         ]))  # fmt: skip
         procs.append(Proc.start("router", [
             "router", "--port", str(qg), "--http-port", str(qh), "--redis", redis.url,
@@ -116,7 +120,7 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
         _wait(procs, lambda: _get(f"http://127.0.0.1:{rh}/health")[0] == 200, "replica")
         _wait(procs, lambda: _router_routes(f"127.0.0.1:{qh}"), "router")
         yield Cluster(f"127.0.0.1:{qh}", f"127.0.0.1:{qg}", f"127.0.0.1:{rh}",
-                      f"127.0.0.1:{rg}", str(tiny_model_dir))  # fmt: skip
+                      f"127.0.0.1:{rg}", str(tiny_model_dir), redis.url)  # fmt: skip
     finally:
         for p in reversed(procs):
             p.stop()
@@ -230,7 +234,12 @@ def test_grpc_front_door_needs_the_key_but_health_stays_open(cluster: Cluster):
 
 
 def test_replica_serves_openai_http_directly(cluster: Cluster):
-    client = _client(cluster.replica_http, key="unused")  # replicas have no key
+    with pytest.raises(openai.AuthenticationError) as auth:  # keyed like the router
+        _client(cluster.replica_http, key="wrong").models.list()
+    assert auth.value.status_code == 401
+    status, _ = _get(f"http://{cluster.replica_http}/v1/models")
+    assert status == 401
+    client = _client(cluster.replica_http)
     models = client.models.list()
     assert [m.id for m in models.data] == [json.loads(_get(
         f"http://{cluster.replica_http}/health")[1])["model"]]  # fmt: skip
@@ -278,5 +287,68 @@ def test_client_disconnect_cancels_the_request(cluster: Cluster):
         time.sleep(0.1)
     assert _aborted(cluster.replica_http) == before + 1  # aborted, not run to max_tokens
     with grpc.insecure_channel(cluster.replica_grpc) as channel:
-        state = pb_grpc.ReplicaStub(channel).GetCacheState(pb.Empty(), timeout=10)
+        state = pb_grpc.ReplicaStub(channel).GetCacheState(
+            pb.Empty(), timeout=10, metadata=(("authorization", f"Bearer {KEY}"),)
+        )
     assert state.inflight_requests == 0 and state.used_blocks == 0  # KV blocks freed
+
+
+def test_router_without_the_replicas_key_says_so(cluster: Cluster):
+    """A second router on the same Redis but with no key: the keyed replica refuses it."""
+    port = free_port()
+    router = Proc.start("router-nokey", [
+        "router", "--port", str(port), "--redis", cluster.redis_url, "--namespace", NS,
+    ])  # fmt: skip
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            cluster_stub = pb_grpc.ClusterStub(channel)
+
+            def listed() -> bool:
+                return bool(cluster_stub.ListReplicas(pb.Empty(), timeout=5).replicas)
+
+            _wait([router], listed, "router")
+            request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=1))
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(pb_grpc.GeneratorStub(channel).Generate(request, timeout=30))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "refused the router's API key" in refused.value.details()
+            state = cluster_stub.ListReplicas(pb.Empty(), timeout=5)
+        assert [r.replica_id for r in state.replicas] == ["oai-0"]  # not marked dead
+        assert state.routing.retries == 0 and state.routing.errors == 2
+        assert "refused the router's API key" in router.logs()
+        assert KEY not in router.logs()
+    finally:
+        router.stop()
+
+
+def _cli(*argv: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PREFIXMESH_API_KEY"}
+    if key is not None:
+        env["PREFIXMESH_API_KEY"] = key
+    return subprocess.run(
+        [sys.executable, "-m", "prefixmesh.cli", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_generate_and_top_send_the_key(cluster: Cluster):
+    ask = ["generate", "--router", cluster.router_grpc, "--max-tokens", "3", "--ignore-eos", "hi"]
+    done = _cli(*ask, "--api-key", KEY)
+    assert done.returncode == 0, done.stderr
+    assert "3 tokens (length)" in done.stderr and "replica oai-0" in done.stderr
+    assert _cli(*ask, key=KEY).returncode == 0  # from PREFIXMESH_API_KEY
+    for denied in (_cli(*ask), _cli(*ask, "--api-key", "wrong", key=KEY)):
+        assert denied.returncode == 1
+        assert "prefixmesh generate: UNAUTHENTICATED: invalid or missing API key" in denied.stderr
+        assert "Traceback" not in denied.stderr
+    assert "no API key sent: pass --api-key or set PREFIXMESH_API_KEY" in _cli(*ask).stderr
+
+    top = _cli("top", "--router", cluster.router_grpc, "--once", key=KEY)
+    assert top.returncode == 0, top.stderr
+    row = next(line for line in top.stdout.splitlines() if "oai-0" in line).split("│")
+    assert row[5].strip().endswith("%"), top.stdout  # "engine hit": the replica's GetStats
+    assert "refused" not in top.stdout
+    denied = _cli("top", "--router", cluster.router_grpc, "--once")
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    assert "Traceback" not in denied.stderr

@@ -1,11 +1,13 @@
 """The replica server as a real process: gRPC over loopback, a real Redis, the tiny model.
 
-One replica serves most tests (module fixture); the kill -9 and SIGTERM tests start their own.
+One replica serves most tests (module fixture, started with an API key that its stubs send);
+the kill -9 and SIGTERM tests start their own, without a key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import signal
@@ -36,12 +38,42 @@ NS = "pmtest"
 NUM_BLOCKS = 48
 MAX_QUEUE = 32
 MAX_MODEL_LEN = 1024
+KEY = "sk-replica-test"
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),  # fmt: skip
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <key>`` to every unary and server-streaming call."""
+
+    def __init__(self, key: str) -> None:
+        self.metadata = (("authorization", f"Bearer {key}"),)
+
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+        keyed = _CallDetails(
+            details.method, details.timeout, (*(details.metadata or ()), *self.metadata),
+            details.credentials, details.wait_for_ready, details.compression,
+        )  # fmt: skip
+        return continuation(keyed, request)
+
+    intercept_unary_stream = intercept_unary_unary
 
 
 class ReplicaProcess:
-    """``prefixmesh replica`` as a subprocess, with stubs once its health says SERVING."""
+    """``prefixmesh replica`` as a subprocess, with stubs once its health says SERVING; with
+    ``api_key`` it gets ``PREFIXMESH_API_KEY`` and its stubs send the key."""
 
-    def __init__(self, model: str, redis_url: str, *extra: str, replica_id: str) -> None:
+    def __init__(
+        self, model: str, redis_url: str, *extra: str, replica_id: str, api_key: str = ""
+    ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.replica_id = replica_id
@@ -52,8 +84,15 @@ class ReplicaProcess:
             "--replica-id", replica_id, "--metrics-port", str(self.metrics_port),
             "--threads", "1", "--dtype", "float32", *extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PREFIXMESH_API_KEY": api_key}
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env
+        )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        # For the aio channels some tests open themselves.
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        if api_key:
+            self.channel = grpc.intercept_channel(self.channel, _BearerKey(api_key))
         self.gen = pb_grpc.GeneratorStub(self.channel)
         self.admin = pb_grpc.ReplicaStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -105,7 +144,7 @@ def replica(tiny_model_dir: Path, redis_handle) -> Iterator[ReplicaProcess]:
         str(tiny_model_dir), redis_handle.url,
         "--num-blocks", str(NUM_BLOCKS), "--max-queue", str(MAX_QUEUE), "--max-num-seqs", "8",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "256",
-        replica_id="rep-a",
+        replica_id="rep-a", api_key=KEY,
     )  # fmt: skip
     yield rep
     rep.stop()
@@ -340,7 +379,7 @@ def _run_concurrently(rep: ReplicaProcess, reqs: list[pb.GenerateRequest]) -> No
             stub = pb_grpc.GeneratorStub(ch)
 
             async def one(r: pb.GenerateRequest) -> None:
-                msgs = [m async for m in stub.Generate(r, timeout=60)]
+                msgs = [m async for m in stub.Generate(r, timeout=60, metadata=rep.metadata)]
                 assert msgs[-1].finish_reason == "length"
 
             await asyncio.gather(*(one(r) for r in reqs))
@@ -422,7 +461,9 @@ def test_full_queue_answers_resource_exhausted(replica: ReplicaProcess):
                     token_ids=pb.TokenIds(ids=[5 + i % 50] * 24), sampling=greedy(30)
                 )
                 try:
-                    msgs = [m async for m in stub.Generate(req, timeout=120)]
+                    msgs = [
+                        m async for m in stub.Generate(req, timeout=120, metadata=replica.metadata)
+                    ]
                 except grpc.aio.AioRpcError as exc:
                     return exc.code()
                 assert msgs[-1].finish_reason == "length"
@@ -486,6 +527,25 @@ def test_reflection_health_and_metrics(replica: ReplicaProcess):
                  "prefixmesh_preemptions_total"):  # fmt: skip
         assert name in samples, name
     assert samples['prefixmesh_requests_finished_total{finish_reason="length"}'] >= 1
+
+
+def test_api_key_guards_every_call_but_health(replica: ReplicaProcess):
+    request = pb.GenerateRequest(text="keyed", sampling=greedy(2))
+    with grpc.insecure_channel(f"127.0.0.1:{replica.port}") as bare:  # no key unless given
+        gen, admin = pb_grpc.GeneratorStub(bare), pb_grpc.ReplicaStub(bare)
+        for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", KEY),)):
+            with pytest.raises(grpc.RpcError) as denied:
+                list(gen.Generate(request, timeout=30, metadata=metadata))
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert denied.value.details() == "invalid or missing API key"
+            with pytest.raises(grpc.RpcError) as denied:
+                admin.GetStats(pb.Empty(), timeout=10, metadata=metadata)
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        good = (("authorization", f"Bearer {KEY}"),)
+        out = list(gen.Generate(request, timeout=60, metadata=good))
+        assert out[-1].finish_reason == "length" and out[-1].usage.completion_tokens == 2
+        health = health_pb2_grpc.HealthStub(bare).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _model_dir(rep: ReplicaProcess) -> str:

@@ -53,9 +53,12 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    redis_url: str, n: int = 3, step_delay_s: float = 0.0, **config
+    redis_url: str, n: int = 3, step_delay_s: float = 0.0, replica_key: str = "", **config
 ) -> AsyncIterator[Cluster]:
-    replicas = [EchoReplica(redis_url, f"echo-{i}", step_delay_s=step_delay_s) for i in range(n)]
+    replicas = [
+        EchoReplica(redis_url, f"echo-{i}", step_delay_s=step_delay_s, api_key=replica_key)
+        for i in range(n)
+    ]
     for r in replicas:
         await r.start()
     settings = dict(port=0, redis=redis_url, discovery_interval_s=0.1, router_id="r1")
@@ -433,6 +436,50 @@ def test_busy_replica_is_skipped_and_request_errors_pass_through(redis_server: s
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             state = await c.cluster.ListReplicas(pb.Empty())
             assert state.routing.errors == 1 and state.routing.retries == 4
+
+    asyncio.run(scenario())
+
+
+def test_keyed_replicas_get_the_routers_key_and_refuse_a_wrong_one(redis_server: str) -> None:
+    async def scenario() -> None:
+        # cluster() waits for the model info, so GetModelInfo carried the key too.
+        async with cluster(redis_server, n=2, replica_key="sk-r", replica_api_key="sk-r") as c:
+            assert (await c.generate([1, 2, 3, 4, 5], max_tokens=3))[-1].finish_reason
+            received = sum(len(r.received) for r in c.replicas)
+            client_md = (("authorization", "Bearer sk-r"),)
+            # No key, a wrong one, and the router's own --api-key (the one-key-cluster case).
+            for keys, works in (({}, False), ({"replica_api_key": "wrong"}, False),
+                                ({"api_key": "sk-r"}, True)):  # fmt: skip
+                other = RouterServer(
+                    RouterConfig(port=0, redis=redis_server, discovery_interval_s=0.1, **keys)
+                )
+                port = await other.start()
+                try:
+                    await _wait_for(lambda o=other: len(o.router.view.live()) == 2)
+                    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                        stub, md = pb_grpc.GeneratorStub(channel), client_md if works else None
+                        request = pb.GenerateRequest(
+                            token_ids=pb.TokenIds(ids=[9, 8, 7]),
+                            sampling=pb.SamplingParams(max_tokens=2),
+                        )
+                        if works:
+                            out = [r async for r in stub.Generate(request, metadata=md)]
+                            assert out[-1].finish_reason == "length"
+                            continue
+                        for _ in range(3):
+                            with pytest.raises(grpc.aio.AioRpcError) as err:
+                                _ = [r async for r in stub.Generate(request, timeout=10)]
+                            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                            assert "refused the router's API key" in err.value.details()
+                            assert "--replica-api-key" in err.value.details()
+                        state = await pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty())
+                    # Not a replica failure: no retry, no replica marked dead.
+                    assert len(state.replicas) == 2 and len(other.router.view.live()) == 2
+                    assert state.routing.retries == 0 and state.routing.errors == 3
+                    assert not other.router.view.model_ids  # GetModelInfo was refused too
+                finally:
+                    await other.stop(grace=0)
+            assert sum(len(r.received) for r in c.replicas) == received + 1  # only the last
 
     asyncio.run(scenario())
 

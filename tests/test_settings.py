@@ -29,6 +29,21 @@ def test_api_key_comes_from_the_environment_but_never_shows(monkeypatch):
     assert router_config([]).api_key == ""
 
 
+def test_replica_and_router_to_replica_keys_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PREFIXMESH_API_KEY", "cluster-key")
+    replica = replica_config([])
+    assert replica.api_key == "cluster-key" and "cluster-key" not in repr(replica)
+    assert "cluster-key" not in replica_parser().format_help()
+    router = router_config([])
+    assert router.resolved_replica_api_key() == "cluster-key"  # one key covers both hops
+    monkeypatch.setenv("PREFIXMESH_REPLICA_API_KEY", "replica-key")
+    router = router_config([])
+    assert (router.api_key, router.resolved_replica_api_key()) == ("cluster-key", "replica-key")
+    assert router_config(["--replica-api-key", "flag"]).resolved_replica_api_key() == "flag"
+    assert "replica-key" not in router_parser().format_help()
+    assert "cluster-key" not in repr(router) and "replica-key" not in repr(router)
+
+
 def test_bad_environment_value_names_the_variable(monkeypatch, capsys):
     monkeypatch.setenv("PREFIXMESH_MAX_QUEUE", "lots")
     with pytest.raises(SystemExit):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -38,27 +39,39 @@ def _state(replica_address: str) -> pb.ClusterState:
     )  # fmt: skip
 
 
+def _check_key(context: grpc.ServicerContext, key: str) -> None:
+    """What prefixmesh.auth.ApiKeyInterceptor does on the real servers (those are grpc.aio)."""
+    if key and dict(context.invocation_metadata()).get("authorization") != f"Bearer {key}":
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
+
+
 class _Cluster(pb_grpc.ClusterServicer):
-    def __init__(self) -> None:
+    def __init__(self, key: str = "") -> None:
         self.address = ""
+        self.key = key
 
     def ListReplicas(self, request, context):  # noqa: N802 (gRPC method name)
+        _check_key(context, self.key)
         return _state(self.address)
 
 
 class _Replica(pb_grpc.ReplicaServicer):
+    def __init__(self, key: str = "") -> None:
+        self.key = key
+
     def GetStats(self, request, context):  # noqa: N802
+        _check_key(context, self.key)
         return pb.ReplicaStats(
             prefix_cache_queries=400, prefix_cache_hits=100, generation_tokens=50, epoch="e1"
         )
 
 
-@pytest.fixture
-def fake_router() -> Iterator[str]:
+@contextmanager
+def _serve(router_key: str = "", replica_key: str = "") -> Iterator[str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    cluster = _Cluster()
+    cluster = _Cluster(router_key)
     pb_grpc.add_ClusterServicer_to_server(cluster, server)
-    pb_grpc.add_ReplicaServicer_to_server(_Replica(), server)
+    pb_grpc.add_ReplicaServicer_to_server(_Replica(replica_key), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     cluster.address = f"127.0.0.1:{port}"  # the same server plays replica-a
@@ -66,6 +79,12 @@ def fake_router() -> Iterator[str]:
         yield cluster.address
     finally:
         server.stop(grace=None)
+
+
+@pytest.fixture
+def fake_router() -> Iterator[str]:
+    with _serve() as address:
+        yield address
 
 
 def test_once_renders_every_replica_hit_rate(fake_router: str, capsys) -> None:
@@ -81,6 +100,28 @@ def test_once_renders_every_replica_hit_rate(fake_router: str, capsys) -> None:
 
 def test_once_reports_unreachable_router() -> None:
     assert top.main(["--router", "127.0.0.1:1", "--once"]) == 1
+
+
+def test_api_key_goes_to_the_router_and_the_replicas(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("PREFIXMESH_API_KEY", raising=False)
+    with _serve("k1", "k1") as address:
+        assert top.main(["--router", address, "--once", "--api-key", "k1"]) == 0
+        out = capsys.readouterr().out
+        assert "25.0%" in out and "refused" not in out  # GetStats answered with the key
+        monkeypatch.setenv("PREFIXMESH_API_KEY", "k1")
+        assert top.main(["--router", address, "--once"]) == 0
+        assert "25.0%" in capsys.readouterr().out
+        monkeypatch.delenv("PREFIXMESH_API_KEY")
+        assert top.main(["--router", address, "--once"]) == 1
+        err = capsys.readouterr().err
+        assert "UNAUTHENTICATED: invalid or missing API key" in err
+        assert "pass --api-key or set PREFIXMESH_API_KEY" in err and "Traceback" not in err
+    # The router takes the key, replica-a wants another one: its row says so, top goes on.
+    with _serve("k1", "k2") as address:
+        assert top.main(["--router", address, "--once", "--api-key", "k1"]) == 0
+        out = capsys.readouterr().out
+        assert "replica stats: replica-a refused the API key" in out
+        assert "25.0%" not in out
 
 
 def test_tokens_per_second_from_deltas() -> None:

@@ -1,7 +1,7 @@
 """`prefixmesh up` end to end: the README's first command, then `generate` and `top` against it.
 
 Runs the CLI exactly as a user does (subprocesses), then SIGTERMs `up` and checks that it exits
-cleanly and leaves no process behind.
+cleanly and leaves no process behind. The tiny-model run uses `--api-key`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import grpc
 import pytest
 from helpers import free_port
 
+from prefixmesh import up as up_cli
 from prefixmesh.procs import LogSink, ProcessSpec, Supervisor, wait_serving
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -54,12 +55,12 @@ def _running(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; only its exit status is left
 
 
-def _wait_listed(address: str, n: int, timeout_s: float) -> list[str]:
+def _wait_listed(address: str, n: int, timeout_s: float, md=None) -> list[str]:  # noqa: ANN001
     deadline, ids = time.monotonic() + timeout_s, []
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.ClusterStub(channel)
         while time.monotonic() < deadline:
-            state = stub.ListReplicas(pb.Empty(), timeout=5)
+            state = stub.ListReplicas(pb.Empty(), timeout=5, metadata=md)
             ids = sorted(r.replica_id for r in state.replicas)
             if len(ids) >= n:
                 break
@@ -67,13 +68,16 @@ def _wait_listed(address: str, n: int, timeout_s: float) -> list[str]:
     return ids
 
 
-def _restart_replica_1(up: subprocess.Popen[bytes], log_path: Path, router: str) -> None:
+def _restart_replica_1(
+    up: subprocess.Popen[bytes],
+    log_path: Path,
+    router: str,
+    md=None,  # noqa: ANN001
+) -> None:
     """SIGKILL replica-1: `up --restart` must report it and bring it back under the same id."""
     with grpc.insecure_channel(router) as channel:
-        before = {
-            r.replica_id: r.epoch
-            for r in pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty(), timeout=5).replicas
-        }
+        state = pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty(), timeout=5, metadata=md)
+        before = {r.replica_id: r.epoch for r in state.replicas}
     pid = int(re.search(r"started replica-1 \(pid (\d+)\)", log_path.read_text())[1])
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
@@ -81,7 +85,8 @@ def _restart_replica_1(up: subprocess.Popen[bytes], log_path: Path, router: str)
         text = log_path.read_text(errors="replace")
         if f"replica-1 (pid {pid}) killed by SIGKILL" in text and "restarting replica-1" in text:
             with grpc.insecure_channel(router) as channel:
-                state = pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty(), timeout=5)
+                stub = pb_grpc.ClusterStub(channel)
+                state = stub.ListReplicas(pb.Empty(), timeout=5, metadata=md)
             epochs = {r.replica_id: r.epoch for r in state.replicas}
             if epochs.get("replica-1", before["replica-1"]) != before["replica-1"]:
                 return
@@ -90,26 +95,30 @@ def _restart_replica_1(up: subprocess.Popen[bytes], log_path: Path, router: str)
 
 
 def run_up_generate_top(
-    model: str, tmp_path: Path, max_tokens: int, kill_and_restart: bool = False
+    model: str, tmp_path: Path, max_tokens: int, kill_and_restart: bool = False, api_key: str = ""
 ) -> None:
     port, http_port = free_port(), free_port()
     router = f"127.0.0.1:{port}"
     log_path = tmp_path / "up.log"
     children: set[int] = set()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXMESH_")}
+    md = (("authorization", f"Bearer {api_key}"),) if api_key else None
     with log_path.open("wb") as log:
         up = subprocess.Popen(
             [*CLI, "up", "--replicas", "2", "--model", model, "--port", str(port),
-             "--http-port", str(http_port), "--grace-period", "20", *(["--restart"] if kill_and_restart else [])],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+             "--http-port", str(http_port), "--grace-period", "20", *(["--restart"] if kill_and_restart else []),
+             *(["--api-key", api_key] if api_key else [])],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
     try:
         wait_serving(router, timeout_s=300, alive=lambda: up.poll() is None)
-        assert _wait_listed(router, 2, timeout_s=30) == ["replica-0", "replica-1"]
+        assert _wait_listed(router, 2, timeout_s=30, md=md) == ["replica-0", "replica-1"]
 
         gen = subprocess.run(
             [*CLI, "generate", "--router", router, "--max-tokens", str(max_tokens),
-             "--temperature", "0", "--ignore-eos", "hello"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
+             "--temperature", "0", "--ignore-eos", *(["--api-key", api_key] if api_key else []),
+             "hello"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
         )  # fmt: skip
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.strip(), "no text streamed"
@@ -123,22 +132,25 @@ def run_up_generate_top(
         request = urllib.request.Request(
             f"http://127.0.0.1:{http_port}/v1/completions",
             data=body,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json"}
+            | ({"Authorization": f"Bearer {api_key}"} if api_key else {}),
         )
         with urllib.request.urlopen(request, timeout=120) as response:
             completion = json.loads(response.read())
         assert completion["usage"]["completion_tokens"] >= 1, completion
 
         top = subprocess.run(
-            [*CLI, "top", "--router", router, "--once"],
+            [*CLI, "top", "--router", router, "--once"],  # the key from the environment
             cwd=ROOT, capture_output=True, text=True, timeout=60,
+            env=env | ({"PREFIXMESH_API_KEY": api_key} if api_key else {}),
         )  # fmt: skip
         assert top.returncode == 0, top.stderr
         rows = [line for line in top.stdout.splitlines() if "replica-" in line]
         assert len(rows) == 2 and all("%" in row for row in rows), top.stdout
+        assert "refused" not in top.stdout  # the replicas took the key for GetStats too
 
         if kill_and_restart:
-            _restart_replica_1(up, log_path, router)
+            _restart_replica_1(up, log_path, router, md)
         children = _descendants(up.pid)
         assert len(children) >= 4, children  # redis, 2 replicas, router
     finally:
@@ -153,6 +165,10 @@ def run_up_generate_top(
     assert code == 0, output[-3000:]
     assert "had to SIGKILL" not in output, output[-3000:]
     assert "prefixmesh is up: router" in output
+    assert "the router lists" not in output  # up's own wait saw every replica
+    if api_key:
+        assert api_key not in output  # not in a command line, the banner or a log line
+        assert "API key required by the router and the replicas" in output
     gone_by = time.monotonic() + 10
     while any(_running(pid) for pid in children) and time.monotonic() < gone_by:
         time.sleep(0.1)
@@ -161,7 +177,9 @@ def run_up_generate_top(
 
 @pytest.mark.cluster
 def test_up_generate_top_shutdown(tiny_model_dir: Path, tmp_path: Path) -> None:
-    run_up_generate_top(str(tiny_model_dir), tmp_path, max_tokens=8, kill_and_restart=True)
+    run_up_generate_top(
+        str(tiny_model_dir), tmp_path, max_tokens=8, kill_and_restart=True, api_key="sk-up"
+    )
 
 
 @pytest.mark.slow
@@ -189,3 +207,36 @@ def test_supervisor_prefixes_logs_and_kills_only_stubborn_children() -> None:
     assert sup.shutdown() == ["stubborn"]
     assert not polite.alive() and polite.proc.returncode == -signal.SIGTERM
     assert not stubborn.alive() and stubborn.proc.returncode == -signal.SIGKILL
+
+
+def test_api_key_reaches_router_and_replicas_by_environment_only(monkeypatch) -> None:
+    monkeypatch.setenv("PREFIXMESH_API_KEY", "sk-from-env")
+    assert up_cli.parse_config([]).api_key == "sk-from-env"
+    assert up_cli.parse_config(["--api-key", ""]).api_key == ""  # a flag wins, even empty
+    assert "sk-from-env" not in up_cli.build_parser().format_help()
+    cfg = up_cli.parse_config(["--api-key", "sk-flag", "--redis", "redis://127.0.0.1:1/0"])
+    assert cfg.api_key == "sk-flag" and "sk-flag" not in repr(cfg)
+    plan = up_cli.make_plan(cfg)
+    for spec in plan.replica_specs:
+        assert spec.env == {"PREFIXMESH_API_KEY": "sk-flag"}
+    # The router presents its own key to the replicas, whatever the shell's environment says.
+    assert plan.router_spec.env == {
+        "PREFIXMESH_API_KEY": "sk-flag", "PREFIXMESH_REPLICA_API_KEY": ""
+    }  # fmt: skip
+    for spec in [*plan.replica_specs, plan.router_spec]:
+        assert "sk-flag" not in " ".join(spec.argv) and "sk-flag" not in repr(spec)
+    text = up_cli.banner(cfg, plan)
+    assert "sk-flag" not in text and 'Bearer $PREFIXMESH_API_KEY"' in text
+    keyless = up_cli.make_plan(up_cli.parse_config(["--api-key", "", "--redis", "redis://x:1/0"]))
+    assert keyless.replica_specs[0].env == {"PREFIXMESH_API_KEY": ""}  # beats the shell's key
+
+
+def test_supervisor_sets_a_spec_env_on_top_of_its_own(monkeypatch) -> None:
+    monkeypatch.setenv("PM_INHERITED", "yes")
+    out = io.StringIO()
+    sup = Supervisor(LogSink(out=out), grace_s=1.0)
+    code = "import os; print(os.environ['PM_INHERITED'], os.environ['PM_GIVEN'], flush=True)"
+    child = sup.start(ProcessSpec("env", [sys.executable, "-c", code], {"PM_GIVEN": "given"}))
+    child.proc.wait(timeout=30)
+    sup.shutdown()
+    assert "env        | yes given" in out.getvalue()
