@@ -24,10 +24,16 @@ Attention layout (one launch serves prefill chunks, plain prefills and decodes t
 from __future__ import annotations
 
 import functools
+import os
 import types
 from dataclasses import dataclass
 
 import triton.language as tl
+
+# Triton 3.9 warns that its default for fusing a*b+c into FMAs changes in 3.10. The kernels were
+# validated against the torch path with fusion on (more accurate, and faster): keep it on
+# explicitly, unless the user chose.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 # The kernels call only Triton builtins, never the @jit helpers of triton.language.standard
 # (tl.max, tl.sum, tl.cdiv, tl.zeros): those are built for one mode (GPU or interpreter) when
