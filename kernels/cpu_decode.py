@@ -8,7 +8,8 @@ runs SmolLM2's decode attention for 64 sequences in ~2 ms per layer in float32 (
 version it replaced took ~7.6 ms; memory bandwidth bounds it at ~1 ms).
 
 It is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (about 30 s, cached
-under ``~/.cache/torch_extensions``). Where no compiler is available, or with
+under ``~/.cache/torch_extensions``); ``PREFIXMESH_CPU_KERNEL_ISA=generic`` builds the plain-loop
+branch even where AVX2 is available (for tests). Where no compiler is available, or with
 ``PREFIXMESH_CPU_KERNELS=0``, ``load()`` returns ``None`` and the torch path is used.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 
 import torch
@@ -266,6 +268,15 @@ static void dispatch_d(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, t
   }
 }
 
+// Which branch this build compiled: "avx2" (intrinsics) or "generic" (plain loops).
+std::string isa() {
+#ifdef PM_AVX2
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
@@ -306,8 +317,8 @@ def load():
             _module = load_inline(
                 f"prefixmesh_cpu_decode_{_build_tag()}",
                 cpp_sources=_SOURCE,
-                functions=["paged_decode"],
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                functions=["paged_decode", "isa"],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", *_isa_flags()],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
@@ -317,11 +328,19 @@ def load():
         return _module
 
 
+def _isa_flags() -> list[str]:
+    """``PREFIXMESH_CPU_KERNEL_ISA=generic`` builds the plain-loop branch on an x86 CPU that has
+    AVX2 (what ARM and pre-AVX2 CPUs always get), so tests can check that branch anywhere."""
+    if os.environ.get("PREFIXMESH_CPU_KERNEL_ISA", "native") != "generic":
+        return []
+    return ["-mno-avx2", "-mno-fma"] if platform.machine() in ("x86_64", "AMD64") else []
+
+
 def _build_tag() -> str:
-    flags = ""
+    flags = " ".join(_isa_flags())
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            flags += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
     return hashlib.sha1((_SOURCE + flags).encode()).hexdigest()[:12]

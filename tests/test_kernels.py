@@ -6,7 +6,11 @@ stay tiny; on a GPU (``kernels/gpu_check.sh``) the same tests run compiled, plus
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,7 +257,32 @@ def test_cpu_decode_kernel_work_splits(dtype, head_dim, many):
     backend = TorchAttentionBackend()
     out, _, _ = case.run(backend)
     assert backend._cpu_kernel is not None
+    generic = os.environ.get("PREFIXMESH_CPU_KERNEL_ISA") == "generic" or not _cpu_has("avx2")
+    assert backend._cpu_kernel.isa() == ("generic" if generic else "avx2")
     check_close(out, case.naive(), dtype)
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return flag in next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_has("avx2"), reason="without AVX2 the test above covers it already")
+def test_cpu_decode_kernel_plain_loop_build():
+    # ARM and pre-AVX2 CPUs compile the plain-loop branch; build it here too and run the same
+    # checks against it, in a fresh process (the kernel is built once per process).
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PREFIXMESH_CPU_KERNEL_ISA": "generic"}
+    test = "tests/test_kernels.py::test_cpu_decode_kernel_work_splits"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "30 passed" in run.stdout
 
 
 @pytest.mark.parametrize("tile_n, num_splits", [(16, 1), (16, 3), (64, 2)])
