@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--api-key",
         default=None,
-        help="router API key (env PREFIXMESH_API_KEY): HTTP 'Authorization: Bearer', gRPC "
-        "metadata (also for --cluster)",
+        help="API key of the target, router or replica (env PREFIXMESH_API_KEY): HTTP "
+        "'Authorization: Bearer', gRPC metadata (also for --cluster)",
     )
     g.add_argument(
         "--model",
