@@ -129,7 +129,9 @@ class ReplicaView:
         self.dead_grace_s = dead_grace_s
         # Sent with every call to a replica; None (not ()) is what a call without any wants.
         self.metadata = bearer_metadata(api_key) or None
-        self._refused: set[tuple[str, str]] = set()  # (replica id, epoch) already logged
+        # (replica id, epoch, status code) of GetModelInfo failures already logged: a failing
+        # replica is asked again every discovery round, but logged once until it answers.
+        self._reported: set[tuple[str, str, str]] = set()
 
     # -- updates from Redis ---------------------------------------------------------------
 
@@ -209,10 +211,16 @@ class ReplicaView:
             f"replica {handle.replica_id} refused the router's API key: the router's "
             "--replica-api-key (else its --api-key) must be the replicas' --api-key"
         )
-        if (handle.replica_id, handle.lease.epoch) not in self._refused:
-            self._refused.add((handle.replica_id, handle.lease.epoch))
+        if self._first_report(handle, grpc.StatusCode.UNAUTHENTICATED.name):
             log.error("%s", message)
         return message
+
+    def _first_report(self, handle: ReplicaHandle, code: str) -> bool:
+        key = (handle.replica_id, handle.lease.epoch, code)
+        if key in self._reported:
+            return False
+        self._reported.add(key)
+        return True
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -247,11 +255,13 @@ class ReplicaView:
             except grpc.aio.AioRpcError as exc:  # the next discovery round tries again
                 if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                     self.key_refused(handle)
-                else:
+                elif self._first_report(handle, exc.code().name):
                     log.warning(
-                        "GetModelInfo from %s failed: %s", handle.replica_id, exc.code().name
-                    )
+                        "GetModelInfo from %s failed: %s (asked again every discovery round; "
+                        "logged once)", handle.replica_id, exc.code().name,
+                    )  # fmt: skip
                 return
+            self._reported = {r for r in self._reported if r[0] != handle.replica_id}
             if info.hash_scheme and info.hash_scheme != HASH_SCHEME:
                 log.error(
                     "replica %s hashes blocks with %s, this router with %s: routing to it "
