@@ -11,6 +11,8 @@
 ``prefixmesh bench memory``      KV slots allocated vs used per running request, next to the
                                  concurrency a contiguous max-length reservation would allow.
 ``prefixmesh bench startup``     ``LLM("smollm2")`` construction to first token.
+``prefixmesh bench peak``        the CPU's float32 FMA peak, and what the engine's GEMM reaches
+                                 at SmolLM2's linear-layer shapes (64 and 1,024 rows).
 ``prefixmesh bench attention``   one layer's paged decode attention on the CPU (SmolLM2's heads,
                                  64 sequences of ~240 tokens): the C++ kernel against the pure
                                  torch path (gather the blocks, then SDPA), and the time a plain
@@ -417,6 +419,58 @@ def bench_memory(args) -> dict:
     return result
 
 
+# --------------------------------------------------------------------------- peak
+# SmolLM2-135M's linear layers, (output, input) features: qkv, o, gate_up, down, LM head.
+SMOLLM2_LINEARS = {
+    "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+    "lm_head": (49152, 576),
+}  # fmt: skip
+
+
+def bench_peak(args) -> dict:
+    """The CPU's FMA peak next to what the engine's GEMM gets at the model's shapes."""
+    import torch
+
+    from kernels.cpu_linear import linear, pack
+    from kernels.fma_peak import fma_peak_gflops
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    peak = fma_peak_gflops(threads, iters=args.peak_iters)
+    result: dict = {"threads": threads, "fma_peak_gflops": peak, "gemm": {}}
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for rows in (64, 1024):
+            for name, (n, k) in SMOLLM2_LINEARS.items():
+                if name == "lm_head" and rows > 64:
+                    continue  # the LM head only runs on the sampled rows
+                x, w = torch.randn(rows, k), pack(torch.randn(n, k))
+                linear(x, w)  # warm-up
+                start = time.perf_counter()
+                for _ in range(args.iters):
+                    linear(x, w)
+                took = (time.perf_counter() - start) / args.iters
+                result["gemm"][f"{name}_m{rows}"] = 2 * rows * n * k / took / 1e9
+                flops, seconds = flops + 2 * rows * n * k, seconds + took
+    result["gemm_gflops"] = flops / seconds / 1e9
+    print(f"float32 on {threads} threads:")
+    if peak is None:
+        print("  FMA peak: not measured here (needs an x86 CPU with AVX2 + FMA and a C compiler)")
+    else:
+        print(f"  FMA peak (10 independent AVX2 FMA chains per thread): {peak:.1f} GFLOP/s")
+    for shape, gflops in result["gemm"].items():
+        print(f"  {shape:12s} {gflops:7.1f} GFLOP/s")
+    line = (
+        f"  the engine's GEMM (kernels.cpu_linear) over these shapes: {result['gemm_gflops']:.1f}"
+    )
+    if peak:
+        result["gemm_share_of_peak"] = result["gemm_gflops"] / peak
+        line += f" GFLOP/s = {100 * result['gemm_share_of_peak']:.0f}% of the FMA peak"
+    print(line)
+    return result
+
+
 # --------------------------------------------------------------------------- start-up
 def bench_startup(args) -> dict:
     code = (
@@ -520,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "what", choices=["throughput", "prefix", "chunked", "memory", "startup", "attention"]
+        "what",
+        choices=["throughput", "prefix", "chunked", "memory", "startup", "attention", "peak"],
     )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument(
@@ -551,7 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=64, help="sequences (attention)")
     parser.add_argument("--context", type=int, default=240, help="mean context (attention)")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls (attention)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls (attention, peak)")
+    parser.add_argument(
+        "--peak-iters", type=int, default=50_000_000, help="FMA rounds per thread (peak)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     fn = {
@@ -561,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": bench_memory,
         "startup": bench_startup,
         "attention": bench_attention,
+        "peak": bench_peak,
     }[args.what]
     result = fn(args)
     if args.json:

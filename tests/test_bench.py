@@ -73,3 +73,20 @@ def test_attention_bench_compares_the_kernel_with_the_torch_path(tmp_path, capsy
     assert result["max_abs_diff"] < 1e-4  # both paths compute the same attention
     assert result["speedup"] == result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
     assert "C++ kernel / torch path" in capsys.readouterr().out
+
+
+def test_peak_bench_sets_the_gemm_against_the_fma_peak(tmp_path, capsys):
+    out = tmp_path / "peak.json"
+    argv = ["peak", "--iters", "1", "--peak-iters", "5000000", "--json", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert len(result["gemm"]) == 9  # 5 shapes at 64 rows, 4 at 1,024 (no LM head)
+    assert all(g > 0 for g in result["gemm"].values()) and result["gemm_gflops"] > 0
+    printed = capsys.readouterr().out
+    if result["fma_peak_gflops"] is None:  # not an x86 CPU with AVX2 + FMA
+        assert "not measured here" in printed
+    else:
+        # No GEMM beats the FMA units it runs on.
+        assert result["gemm_gflops"] < result["fma_peak_gflops"]
+        assert result["gemm_share_of_peak"] == result["gemm_gflops"] / result["fma_peak_gflops"]
+        assert "of the FMA peak" in printed
