@@ -4,7 +4,7 @@ A tiny C loop keeps ten independent AVX2 FMA chains per thread busy (enough to c
 latency on every current x86 core), on as many OpenMP threads as torch uses, and reports the
 floating-point operations per second it sustained. Compiled once with the system C compiler
 into ``~/.cache/prefixmesh/kernels`` and called through ctypes. Only for x86 CPUs with AVX2 and
-FMA; elsewhere :func:`fma_peak_gflops` returns ``None``.
+FMA and a compiler that builds it; elsewhere :func:`fma_peak_gflops` returns ``None``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,12 @@ def _library() -> ctypes.CDLL | None:
         src.write_text(_SOURCE)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-        subprocess.run([compiler, *flags, str(src), "-o", str(tmp)], check=True)
+        try:
+            subprocess.run(
+                [compiler, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True
+            )
+        except (OSError, subprocess.CalledProcessError):  # e.g. a compiler without OpenMP
+            return None
         tmp.replace(lib)  # atomic: a concurrent run never loads a half-written file
     handle = ctypes.CDLL(str(lib))
     handle.fma_gflops.argtypes = [ctypes.c_long, ctypes.c_int]

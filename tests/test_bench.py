@@ -90,3 +90,11 @@ def test_peak_bench_sets_the_gemm_against_the_fma_peak(tmp_path, capsys):
         assert result["gemm_gflops"] < result["fma_peak_gflops"]
         assert result["gemm_share_of_peak"] == result["gemm_gflops"] / result["fma_peak_gflops"]
         assert "of the FMA peak" in printed
+
+
+def test_fma_peak_is_none_where_it_cannot_be_built(tmp_path, monkeypatch):
+    from kernels.fma_peak import fma_peak_gflops
+
+    monkeypatch.setenv("PREFIXMESH_CACHE", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert fma_peak_gflops(1, iters=1000) is None
