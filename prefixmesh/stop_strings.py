@@ -1,7 +1,7 @@
 """Stop-string matching on streamed text, shared by the replica engine and the echo replica.
 
 Torch-free (no imports at all), so ``router/echo_replica.py`` holds text back exactly as a real
-replica does.
+replica does and checks ``resume_text_chars`` the same way (:func:`unsent_text`).
 """
 
 from __future__ import annotations
@@ -64,3 +64,31 @@ class StopStringMatcher:
                     break
                 at = tail.find(stop[0], at + 1)
         return best
+
+
+def unsent_text(
+    text: str, chars: int, stop: list[str], include_stop_str_in_output: bool, matching: bool
+) -> str:
+    """The part of a resumed sample's ``text`` past the ``resume_text_chars`` (``chars``) its
+    client already received; ``ValueError`` naming the field when that cannot be.
+
+    ``matching``: the replica that generated ``text`` was matching stop strings (past
+    ``min_tokens``), so a complete stop string in the unsent part means the sample had already
+    stopped: this request is not a continuation of it.
+    """
+    if chars < 0:
+        raise ValueError(f"resume_text_chars must be >= 0 (got {chars})")
+    if chars > len(text):
+        raise ValueError(
+            f"resume_text_chars must be at most {len(text)}, the length of the text of "
+            f"resume_token_ids (got {chars})"
+        )
+    unsent = text[chars:]
+    if unsent and matching:
+        _, matched = StopStringMatcher(stop, include_stop_str_in_output).feed(unsent)
+        if matched is not None:
+            raise ValueError(
+                f"resume_text_chars={chars} leaves unsent text that already contains the stop "
+                f"string {matched!r}"
+            )
+    return unsent

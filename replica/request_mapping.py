@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prefixmesh.stop_strings import StopStringMatcher
+from prefixmesh.stop_strings import unsent_text
 from proto import prefixmesh_pb2 as pb
 from replica.detokenizer import resumed_text
 from replica.outputs import StepOutput
@@ -111,7 +111,11 @@ def engine_request(request: pb.GenerateRequest, tokenizer: Any, vocab_size: int)
         params.min_tokens = max(0, params.min_tokens - len(resumed))
     unsent = ""
     if request.HasField("resume_text_chars"):
-        unsent = _unsent_text(request.resume_text_chars, ids, resumed, params, tokenizer)
+        text = resumed_text(tokenizer, ids, resumed, params.skip_special_tokens) if resumed else ""
+        unsent = unsent_text(
+            text, request.resume_text_chars, params.stop, params.include_stop_str_in_output,
+            matching=params.min_tokens == 0,
+        )  # fmt: skip
     return EngineRequest(
         prompt_token_ids=ids + resumed,
         params=params,
@@ -120,31 +124,6 @@ def engine_request(request: pb.GenerateRequest, tokenizer: Any, vocab_size: int)
         num_resumed=len(resumed),
         unsent_text=unsent,
     )
-
-
-def _unsent_text(
-    chars: int, prompt: list[int], resumed: list[int], params: SamplingParams, tokenizer: Any
-) -> str:
-    """The text of the resumed tokens past the ``resume_text_chars`` the client already has."""
-    if chars < 0:
-        raise ValueError(f"resume_text_chars must be >= 0 (got {chars})")
-    text = resumed_text(tokenizer, prompt, resumed, params.skip_special_tokens) if resumed else ""
-    if chars > len(text):
-        raise ValueError(
-            f"resume_text_chars must be at most {len(text)}, the length of the text of "
-            f"resume_token_ids (got {chars})"
-        )
-    unsent = text[chars:]
-    # Past min_tokens a replica matches stop strings, so a complete one in text it never sent
-    # means the sample had already stopped: this is not a continuation of that sample.
-    if unsent and params.min_tokens == 0:
-        _, matched = StopStringMatcher(params.stop, params.include_stop_str_in_output).feed(unsent)
-        if matched is not None:
-            raise ValueError(
-                f"resume_text_chars={chars} leaves unsent text that already contains the stop "
-                f"string {matched!r}"
-            )
-    return unsent
 
 
 def response(

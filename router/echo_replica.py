@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from prefixmesh import redis_layout as layout
 from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
-from prefixmesh.stop_strings import StopStringMatcher
+from prefixmesh.stop_strings import StopStringMatcher, unsent_text
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -167,19 +167,14 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
         unsent = ""
         if request.HasField("resume_text_chars"):
             text = "".join(token_text(t) for t in resumed)
-            chars = request.resume_text_chars
-            if not 0 <= chars <= len(text):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"resume_text_chars must be in [0, {len(text)}] (got {chars})",
-                )
-            unsent, matched = stop.feed(text[chars:])
-            if matched is not None:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"resume_text_chars={chars} leaves unsent text that already contains the "
-                    f"stop string {matched!r}",
-                )
+            try:
+                unsent = unsent_text(
+                    text, request.resume_text_chars, list(sp.stop),
+                    sp.include_stop_str_in_output, matching=True,
+                )  # fmt: skip
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            unsent, _ = stop.feed(unsent)  # held back like any text that may start a stop
         self.running += 1
         try:
             out: list[int] = []
