@@ -153,8 +153,8 @@ class Forwarder:
                     done = progress.generated.get(i, [])
                     if i in progress.finished:
                         continue
-                    if progress.client_resumed + len(done) >= budget:  # only the final was lost
-                        completion = progress.client_resumed + len(done)
+                    completion = progress.client_resumed + len(done)
+                    if completion >= budget:  # only the final message was lost
                         yield _final(request, i, handle.replica_id, prompt_ids, completion)
                         progress.finished.add(i)
                         continue
