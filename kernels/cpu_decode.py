@@ -23,6 +23,8 @@ import threading
 
 import torch
 
+from kernels.cpu_flags import cpu_flags
+
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -337,12 +339,7 @@ def _isa_flags() -> list[str]:
 
 
 def _build_tag() -> str:
-    flags = " ".join(_isa_flags())
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
+    flags = " ".join([*_isa_flags(), *sorted(cpu_flags() or ())])
     return hashlib.sha1((_SOURCE + flags).encode()).hexdigest()[:12]
 
 

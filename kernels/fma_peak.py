@@ -17,6 +17,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from kernels.cpu_flags import cpu_flags
+
 _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
@@ -53,20 +55,11 @@ double fma_gflops(long iters, int threads) {
 """
 
 
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
 def _library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    if not _cpu_has_avx2_fma():
+    if not {"avx2", "fma"} <= (cpu_flags() or frozenset()):
         return None
     cache = Path(os.environ.get("PREFIXMESH_CACHE", Path.home() / ".cache" / "prefixmesh"))
     digest = hashlib.sha1(_SOURCE.encode()).hexdigest()[:12]

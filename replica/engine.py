@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu_flags import cpu_flags
 from prefixmesh.hashing import BlockHash
 from prefixmesh.tokenizer import Tokenizer
 from replica.allocator import keep_freed_memory
@@ -66,16 +67,10 @@ def default_dtype(device: str) -> str:
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True when the CPU advertises AVX-512 BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    # No cpuinfo (macOS, Windows): trust oneDNN's own check.
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    flags = cpu_flags(cpuinfo)
+    if flags is None:  # no cpuinfo (macOS, Windows): trust oneDNN's own check
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 class LLMEngine:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu_flags import cpu_flags
 from kernels.interface import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 from kernels.triton_backend import TritonAttentionBackend
@@ -263,11 +264,7 @@ def test_cpu_decode_kernel_work_splits(dtype, head_dim, many):
 
 
 def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return flag in next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    return flag in (cpu_flags() or ())
 
 
 @pytest.mark.skipif(not _cpu_has("avx2"), reason="without AVX2 the test above covers it already")
