@@ -41,6 +41,20 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def seconds_per_call(fn, calls: int, warmup: int = 1, best: bool = False) -> float:
+    """Seconds one call of ``fn`` takes, after ``warmup`` untimed calls: the mean over ``calls``
+    timed calls, or with ``best`` the fastest of them."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls if best else 1):
+        start = time.perf_counter()
+        for _ in range(1 if best else calls):
+            fn()
+        times.append((time.perf_counter() - start) / (1 if best else calls))
+    return min(times)
+
+
 def _llm(args, **overrides):
     from replica import LLM
 
@@ -175,13 +189,7 @@ def matmul_floor(model, prompt_tokens: int, chunk: int, num_seqs: int, output_le
     c = model.config
 
     def best_of_three(fn) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        return seconds_per_call(fn, 3, best=True)
 
     def layers_s(rows: int) -> float:
         def inputs(width: int) -> torch.Tensor:
@@ -446,11 +454,7 @@ def bench_peak(args) -> dict:
                 if name == "lm_head" and rows > 64:
                     continue  # the LM head only runs on the sampled rows
                 x, w = torch.randn(rows, k), pack(torch.randn(n, k))
-                linear(x, w)  # warm-up
-                start = time.perf_counter()
-                for _ in range(args.iters):
-                    linear(x, w)
-                took = (time.perf_counter() - start) / args.iters
+                took = seconds_per_call(functools.partial(linear, x, w), args.iters)
                 result["gemm"][f"{name}_m{rows}"] = 2 * rows * n * k / took / 1e9
                 flops, seconds = flops + 2 * rows * n * k, seconds + took
     result["gemm_gflops"] = flops / seconds / 1e9
@@ -525,12 +529,7 @@ def bench_attention(args) -> dict:
     )
 
     def per_call_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            fn()
-        return (time.perf_counter() - start) / args.iters * 1000
+        return seconds_per_call(fn, args.iters, warmup=3) * 1000
 
     outputs, result = {}, {"batch": args.batch, "mean_context": float(lens.float().mean())}
     for name, use_kernel in (("cpu_kernel", None), ("torch_sdpa", False)):
