@@ -67,6 +67,11 @@ class AttentionBackend(ABC):
     ) -> None:
         """Store the new tokens' keys and values into their cache slots."""
 
+    def kv_written(self, key: torch.Tensor, value: torch.Tensor) -> None:  # noqa: B027
+        """The caller wrote this step's new keys and values into the cache itself (a fused
+        kernel did it with RoPE); ``key``/``value`` are ``[T, num_kv_heads, head_dim]`` views
+        of them, which a backend may read instead of the cache."""
+
     @abstractmethod
     def attend(
         self,

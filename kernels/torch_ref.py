@@ -45,21 +45,25 @@ class _DecodePlan:
 class TorchAttentionBackend(AttentionBackend):
     """Paged varlen attention in plain PyTorch (any device, any float dtype).
 
-    On a CPU, decodes use the C++ kernel of ``kernels.cpu_decode`` when it can be compiled
+    On a CPU, decodes use the C++ kernel of ``kernels.cpu_ops`` when it can be compiled
     (``use_cpu_kernel=None``: automatic); ``use_cpu_kernel=False`` keeps everything in torch.
     """
 
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self, use_cpu_kernel: bool | None = None, device: str = "cpu", isa: str | None = None
+    ) -> None:
+        """``isa`` picks the kernels' build (``kernels.cpu_ops.build_isa``; default: this CPU's,
+        under ``PREFIXMESH_CPU_ISA``), so tests can run every build the machine supports."""
         self._use_cpu_kernel = use_cpu_kernel
         self._cpu_kernel = None
         if use_cpu_kernel is not False and str(device) == "cpu":
-            # Build (first run on a machine, ~30 s) or load it now, at start-up, not inside the
-            # first request.
-            from kernels import cpu_decode
+            # Build (first run on a machine, ~1 min) or load it now, at start-up, not inside
+            # the first request.
+            from kernels import cpu_ops
 
-            self._cpu_kernel = cpu_decode.load()
+            self._cpu_kernel = cpu_ops.load(isa)
             self._use_cpu_kernel = self._cpu_kernel is not None
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillPlan] = []
@@ -112,12 +116,21 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        self._new_kv = (key, value)
+        self.kv_written(key, value)
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
+    def kv_written(self, key, value) -> None:
+        self._new_kv = (key, value)
+
     def attend(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        out = torch.empty_like(query)
+        plan = self._decode
+        if not self._prefills and plan is not None and plan.contiguous and self._kernel_runs(query):
+            # A pure decode step: the kernel's output is the whole answer.
+            return self._cpu_kernel.paged_decode(
+                query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
+            )
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -156,9 +169,11 @@ class TorchAttentionBackend(AttentionBackend):
                 q = query[plan.start : plan.end]
             else:
                 q = query[plan.token_rows]
-            if self._use_cpu_kernel and self._cpu_kernel is not None and q.device.type == "cpu":
+            if self._kernel_runs(q):
+                if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+                    q = q.contiguous()
                 o = self._cpu_kernel.paged_decode(
-                    q.contiguous(), k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
+                    q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
                 )
                 if plan.contiguous:
                     out[plan.start : plan.end] = o
@@ -177,3 +192,10 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out[plan.token_rows] = o
         return out
+
+    def _kernel_runs(self, query: torch.Tensor) -> bool:
+        return (
+            bool(self._use_cpu_kernel)
+            and self._cpu_kernel is not None
+            and query.device.type == "cpu"
+        )

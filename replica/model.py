@@ -6,7 +6,10 @@ mixed); attention reads and writes the paged cache through an ``AttentionBackend
 Hugging Face's parameter names; q/k/v and gate/up projections are fused at load time so each
 layer does three large matmuls instead of seven small ones (Python overhead per op is what limits
 a small model on a CPU). On a CPU the matmul weights are packed once for oneDNN
-(kernels/cpu_linear.py).
+(kernels/cpu_linear.py), and the work between the matmuls runs as four fused C++ kernels per
+layer (kernels/cpu_ops.py): RMSNorm with its residual add, RoPE with the KV-cache write, SiLU
+with its multiply, and paged decode attention. Elsewhere (GPUs, or no compiler) the same maths
+runs as torch ops.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.cpu_linear import linear, pack
 from kernels.interface import AttentionBackend, AttentionMetadata
 from replica.model_config import ModelConfig, rope_inv_freq
@@ -79,6 +83,12 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
+        # The fused CPU kernels: None on other devices, where no compiler is available, or
+        # with PREFIXMESH_CPU_KERNELS=0. They take the half tables, in float32.
+        fusable = device.type == "cpu" and attention.name == "torch"
+        self.ops = cpu_ops.load() if fusable else None
+        self.cos_half = freqs.cos().contiguous()
+        self.sin_half = freqs.sin().contiguous()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalize in float32, cast back, then scale: Hugging Face's order (bit for bit in
@@ -96,6 +106,8 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # rows of the packed batch whose next token is sampled
     ) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]`` after writing the batch's KV."""
+        if self.ops is not None:
+            return self._forward_fused(input_ids, positions, meta, kv_caches, logits_indices)
         c = self.config
         num_tokens = input_ids.shape[0]
         cos = self.cos[positions][:, None, :]
@@ -119,4 +131,44 @@ class LlamaModel:
             gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
             hidden = residual + linear(F.silu(gate) * up, layer["down"])
         hidden = self._rms_norm(hidden[logits_indices], self.norm)
+        return linear(hidden, self.lm_head).float()
+
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` with the fused CPU kernels: per layer four matmuls and four kernels.
+
+        ``residual`` carries the skip connection: ``add_rms_norm`` adds each sublayer's output
+        to it in place and normalizes the sum, as Hugging Face's decoder layer does in two.
+        """
+        c, ops = self.config, self.ops
+        eps = c.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        residual = F.embedding(input_ids, self.embed)
+        x = ops.rms_norm(residual, self.layers[0]["input_norm"], eps)
+        out = residual
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            ops.rope_write_kv(
+                qkv, positions, self.cos_half, self.sin_half, c.num_heads, c.num_kv_heads,
+                k_cache, v_cache, meta.slot_mapping,
+            )  # fmt: skip
+            q = qkv[:, :q_end].view(num_tokens, c.num_heads, c.head_dim)
+            k = qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = qkv[:, k_end:].view(num_tokens, c.num_kv_heads, c.head_dim)
+            self.attention.kv_written(k, v)
+            attn = self.attention.attend(q, k_cache, v_cache, meta, self.scale)
+            o = linear(attn.reshape(num_tokens, self.q_size), layer["o"])
+            x = ops.add_rms_norm(o, residual, layer["post_norm"], eps)
+            out = linear(ops.silu_and_mul(linear(x, layer["gate_up"])), layer["down"])
+            if i + 1 < len(self.layers):
+                x = ops.add_rms_norm(out, residual, self.layers[i + 1]["input_norm"], eps)
+        rows = residual[logits_indices]  # a copy: only the sampled rows reach the LM head
+        hidden = ops.add_rms_norm(out[logits_indices], rows, self.norm, eps)
         return linear(hidden, self.lm_head).float()

@@ -6,16 +6,11 @@ stay tiny; on a GPU (``kernels/gpu_check.sh``) the same tests run compiled, plus
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from kernels.cpu_flags import cpu_flags
 from kernels.interface import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 from kernels.triton_backend import TritonAttentionBackend
@@ -231,55 +226,6 @@ def test_random_batches(seed):
     # The pure-torch decode path (SDPA over gathered blocks) as well as the C++ CPU kernel.
     sdpa_out, _, _ = case.run(TorchAttentionBackend(use_cpu_kernel=False))
     check_close(sdpa_out, case.naive(), case.dtype)
-
-
-def test_cpu_decode_kernel_is_built_and_used():
-    from kernels import cpu_decode
-
-    assert cpu_decode.load() is not None, "the C++ decode kernel failed to compile"
-    case = Case([(37, 1), (5, 1), (80, 1)], 16, 6, 2, 64, torch.bfloat16)
-    backend = TorchAttentionBackend()
-    out, _, _ = case.run(backend)
-    assert backend._use_cpu_kernel
-    check_close(out, case.naive(), torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128])
-@pytest.mark.parametrize("many", [False, True], ids=["per-kv-head", "per-sequence"])
-def test_cpu_decode_kernel_work_splits(dtype, head_dim, many):
-    # The kernel gives each thread whole sequences when there are at least 4 per thread, else
-    # one (sequence, KV head) per work item; both, over context lengths that are not multiples
-    # of the vector width, every head size it is compiled for, and a block size of 16.
-    rng = random.Random(head_dim)
-    count = 4 * torch.get_num_threads() + 3 if many else 2
-    seqs = [(rng.randint(1, 120), 1) for _ in range(count)]
-    case = Case(seqs, 16, 6, 2, head_dim, dtype, seed=head_dim)
-    backend = TorchAttentionBackend()
-    out, _, _ = case.run(backend)
-    assert backend._cpu_kernel is not None
-    generic = os.environ.get("PREFIXMESH_CPU_KERNEL_ISA") == "generic" or not _cpu_has("avx2")
-    assert backend._cpu_kernel.isa() == ("generic" if generic else "avx2")
-    check_close(out, case.naive(), dtype)
-
-
-def _cpu_has(flag: str) -> bool:
-    return flag in (cpu_flags() or ())
-
-
-@pytest.mark.skipif(not _cpu_has("avx2"), reason="without AVX2 the test above covers it already")
-def test_cpu_decode_kernel_plain_loop_build():
-    # ARM and pre-AVX2 CPUs compile the plain-loop branch; build it here too and run the same
-    # checks against it, in a fresh process (the kernel is built once per process).
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PREFIXMESH_CPU_KERNEL_ISA": "generic"}
-    test = "tests/test_kernels.py::test_cpu_decode_kernel_work_splits"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "30 passed" in run.stdout
 
 
 @pytest.mark.parametrize("tile_n, num_splits", [(16, 1), (16, 3), (64, 2)])

@@ -1,0 +1,94 @@
+"""The C++ CPU kernels (kernels/csrc/cpu_ops.cpp), built once per ISA with the system compiler.
+
+One source, written against ATen's portable vectors, compiled for the widest ISA this CPU has
+(or ``PREFIXMESH_CPU_ISA`` allows, see kernels/cpu_flags.py): AVX-512 (also on AMX machines:
+decode attention and elementwise ops gain nothing from tiles), AVX2, or plain C++ (``generic``,
+what ARM and pre-AVX2 CPUs get). Each build carries explicit ISA flags, never
+``-march=native``, so a build for one ISA runs on every CPU that has it, and a machine can
+build and test every ISA it supports.
+
+The first build takes about a minute (cached under ``~/.cache/torch_extensions``). Where no
+compiler is available, or with ``PREFIXMESH_CPU_KERNELS=0``, :func:`load` returns ``None`` and
+callers use their torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from kernels.cpu_flags import ISA_LEVELS, cpu_isa
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_X86 = platform.machine() in ("x86_64", "AMD64")
+_COMMON_X86 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"]
+# What ATen passes when it compiles its own kernels for each capability.
+BUILD_FLAGS = {
+    "generic": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]
+    + (["-mno-avx", "-mno-avx2", "-mno-fma", "-mno-avx512f"] if _X86 else []),
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", *_COMMON_X86],
+    "avx512": [
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        *_COMMON_X86,
+    ],
+}
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType | None] = {}
+
+
+def build_isa(isa: str | None = None) -> str:
+    """The build that serves ``isa`` (default: what this CPU, capped, runs): AMX machines use
+    the AVX-512 build."""
+    isa = isa or cpu_isa()
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"isa must be one of {ISA_LEVELS} (got {isa!r})")
+    if not _X86:
+        return "generic"
+    return "avx512" if isa == "amx" else isa
+
+
+def load(isa: str | None = None) -> ModuleType | None:
+    """The compiled module for ``isa`` (see :func:`build_isa`), or ``None`` when it cannot be
+    built here or kernels are turned off."""
+    if os.environ.get("PREFIXMESH_CPU_KERNELS", "1") == "0":
+        return None
+    target = build_isa(isa)
+    with _lock:
+        if target not in _modules:
+            _modules[target] = _build(target)
+        return _modules[target]
+
+
+def _build(target: str) -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        # -fopenmp: at::parallel_for only splits work across threads in a translation unit
+        # built with OpenMP; the extension then shares torch's own libgomp, so
+        # torch.set_num_threads governs it too. The name carries a digest of the source and
+        # the flags, so an edited source or another ISA never reuses a stale build.
+        flags = ["-O3", "-fopenmp", *BUILD_FLAGS[target]]
+        digest = hashlib.sha1((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:12]
+        return load_extension(
+            f"prefixmesh_cpu_ops_{target}_{digest}",
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers: the torch path still works
+        log.warning("CPU kernels (%s) unavailable (%s); using the torch path", target, exc)
+        return None

@@ -1,0 +1,442 @@
+// prefixmesh's CPU kernels: paged decode attention and the per-layer elementwise work, fused.
+//
+// Written once against ATen's portable vectors (at::vec::Vectorized<float>) and compiled once
+// per ISA by kernels/cpu_ops.py: 8 floats a vector under AVX2, 16 under AVX-512, plain arrays
+// the compiler vectorizes as it can on other CPUs. Everything accumulates in float32 and reads
+// float32, bfloat16 or float16 tensors directly.
+//
+// Why fused: SmolLM2-sized layers are tiny (64 x 576 activations at decode), so torch's eager
+// ops spend their time launching, allocating and re-reading memory, not computing. One call
+// here replaces 4-10 of them: an RMSNorm with its residual add, RoPE with the KV-cache write,
+// SiLU with its multiply.
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t W = fVec::size();
+
+// ---------------------------------------------------------------- loads and stores as float
+template <typename T>
+inline fVec loadf(const T* p) {
+  fVec v;
+  at::vec::load_to_float<T>(p, v);
+  return v;
+}
+template <>
+inline fVec loadf<float>(const float* p) {
+  return fVec::loadu(p);
+}
+
+template <typename T>
+inline void storef(T* p, const fVec& v) {
+  at::vec::convert_from_float<T>(v, v).store(p, W);
+}
+template <>
+inline void storef<float>(float* p, const fVec& v) {
+  v.store(p);
+}
+
+// v rounded to T's precision and back (a no-op for float): where the reference model stores an
+// intermediate in T, so do we.
+template <typename T>
+inline fVec round_to(const fVec& v) {
+  return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+}
+template <>
+inline fVec round_to<float>(const fVec& v) {
+  return v;
+}
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// Sum of a vector's lanes (ATen's own reduce_add does not compile for the plain build).
+inline float hsum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
+}
+
+inline void prefetch(const void* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// ---------------------------------------------------------------- paged decode attention
+// One query token per sequence, attending to its whole context through its block table.
+// A work item is one sequence and a range of its KV heads. For each KV head, a first pass
+// reads every cached key once and scores the G query heads that share it (GQA); a softmax;
+// a second pass reads every cached value once and accumulates the G outputs in registers,
+// CH vectors of head_dim at a time.
+template <typename T, int D>
+void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
+                 const int32_t* table, int64_t len, int64_t kvh_begin, int64_t kvh_end,
+                 int64_t G, int64_t BS, int64_t row, float scale, float* scores, T* out) {
+  constexpr int V = D / W;
+  static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
+  // Vectors of head_dim accumulated at once: the largest divisor of V up to 4.
+  constexpr int CH = V % 4 == 0 ? 4 : (V % 3 == 0 ? 3 : (V % 2 == 0 ? 2 : 1));
+  constexpr int64_t AHEAD = 4;  // tokens prefetched ahead
+  auto slot = [&](int64_t t) { return (int64_t(table[t / BS]) * BS + t % BS) * row; };
+  std::vector<fVec> qv(G * V);
+  std::vector<float> inv_sum(G);
+  for (int64_t kvh = kvh_begin; kvh < kvh_end; ++kvh) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i)
+        qv[g * V + i] = loadf(q + (kvh * G + g) * q_head_stride + i * W) * fVec(scale);
+    const int64_t off = kvh * D;
+    // Scores: q . k for every cached token.
+    for (int64_t t = 0; t < len; ++t) {
+      if (t + AHEAD < len) prefetch(kc + slot(t + AHEAD) + off);
+      const T* k = kc + slot(t) + off;
+      fVec kv[V];
+      for (int i = 0; i < V; ++i) kv[i] = loadf(k + i * W);
+      for (int64_t g = 0; g < G; ++g) {
+        fVec a = kv[0] * qv[g * V];
+        for (int i = 1; i < V; ++i) a = at::vec::fmadd(kv[i], qv[g * V + i], a);
+        scores[g * len + t] = hsum(a);
+      }
+    }
+    // Softmax numerators (normalized at the end, once per output).
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = scores + g * len;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+      fVec sum(0.f), mv(m);
+      int64_t t = 0;
+      for (; t + W <= len; t += W) {
+        const fVec e = (fVec::loadu(s + t) - mv).exp();
+        e.store(s + t);
+        sum = sum + e;
+      }
+      float total = hsum(sum);
+      for (; t < len; ++t) {
+        s[t] = std::exp(s[t] - m);
+        total += s[t];
+      }
+      inv_sum[g] = 1.f / total;
+    }
+    // Weighted sum of the values, one query head and CH vectors of head_dim at a time, so
+    // the accumulators stay in registers; the rows come from memory once (first pass), then
+    // from cache.
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = scores + g * len;
+      for (int c = 0; c < V; c += CH) {
+        fVec acc[CH];
+        for (int i = 0; i < CH; ++i) acc[i] = fVec(0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          if (g == 0 && t + AHEAD < len) prefetch(vc + slot(t + AHEAD) + off + c * W);
+          const T* v = vc + slot(t) + off + c * W;
+          const fVec pt(p[t]);
+          for (int i = 0; i < CH; ++i) acc[i] = at::vec::fmadd(pt, loadf(v + i * W), acc[i]);
+        }
+        const fVec norm(inv_sum[g]);
+        for (int i = 0; i < CH; ++i) storef(out + (kvh * G + g) * D + (c + i) * W, acc[i] * norm);
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+void decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& tables,
+                      const at::Tensor& lens, at::Tensor& out, float scale) {
+  const int64_t B = query.size(0), H = query.size(1);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = tables.size(1);
+  const int64_t G = H / KVH, row = KVH * D;
+  const T* q = query.data_ptr<T>();
+  const int64_t q_stride = query.stride(0), q_head_stride = query.stride(1);
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  // Whole sequences per work item when there are enough to keep every thread busy (each
+  // block is then streamed by one thread), else one (sequence, KV head) per item.
+  const bool per_seq = B >= 4 * at::get_num_threads();
+  const int64_t items = per_seq ? B : B * KVH;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = per_seq ? item : item / KVH;
+      const int64_t h0 = per_seq ? 0 : item % KVH, h1 = per_seq ? KVH : h0 + 1;
+      const int64_t len = lp[b];
+      scores.resize(G * std::max<int64_t>(len, 1));
+      attend_item<T, D>(q + b * q_stride, q_head_stride, kc, vc, tp + b * MB, len, h0, h1, G,
+                        BS, row, scale, scores.data(), op + b * H * D);
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_d(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                        const at::Tensor& bt, const at::Tensor& lens, at::Tensor& out,
+                        float scale) {
+  switch (q.size(2)) {
+    case 16: decode_attention<T, 16>(q, kc, vc, bt, lens, out, scale); return;
+    case 32: decode_attention<T, 32>(q, kc, vc, bt, lens, out, scale); return;
+    case 64: decode_attention<T, 64>(q, kc, vc, bt, lens, out, scale); return;
+    case 96: decode_attention<T, 96>(q, kc, vc, bt, lens, out, scale); return;
+    case 128: decode_attention<T, 128>(q, kc, vc, bt, lens, out, scale); return;
+  }
+  TORCH_CHECK(false, "head_dim must be 16, 32, 64, 96 or 128, got ",
+              q.size(2));
+}
+
+// One read of every cached key and value the step attends to, the way the kernel reads them
+// (block by block through the tables): the attention's memory floor, for the benchmarks.
+template <typename T>
+double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+               const at::Tensor& lens) {
+  const int64_t B = tables.size(0), MB = tables.size(1), BS = k_cache.size(1);
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  std::vector<double> partial(B, 0.0);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      fVec acc(0.f);
+      for (const T* cache : {kc, vc}) {
+        for (int64_t t = 0; t < lp[b]; ++t) {
+          const T* r = cache + (int64_t(tp[b * MB + t / BS]) * BS + t % BS) * row;
+          for (int64_t i = 0; i + W <= row; i += W) acc = acc + loadf(r + i);
+        }
+      }
+      partial[b] = hsum(acc);
+    }
+  });
+  double total = 0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+// ---------------------------------------------------------------- RMSNorm (+ residual add)
+// out = weight * T(x / rms(x)) with x in float32, as Hugging Face orders it. With a residual,
+// first residual = T(residual + x) in place (the decoder's skip connection), and normalize that.
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n,
+                   int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      fVec ss(0.f);
+      int64_t i = 0;
+      for (; i + W <= n; i += W) {
+        fVec v = loadf(xr + i);
+        if (residual) {
+          T* rr = residual + r * n + i;
+          storef(rr, v + loadf(rr));
+          v = loadf(rr);  // rounded to T as the model would store it
+        }
+        v.store(buf.data() + i);
+        ss = at::vec::fmadd(v, v, ss);
+      }
+      float sum = hsum(ss);
+      for (; i < n; ++i) {
+        float v = to_float(xr[i]);
+        if (residual) {
+          residual[r * n + i] = static_cast<T>(v + to_float(residual[r * n + i]));
+          v = to_float(residual[r * n + i]);
+        }
+        buf[i] = v;
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / n + eps);
+      T* o = out + r * n;
+      const fVec inv_v(inv);
+      for (i = 0; i + W <= n; i += W)
+        storef(o + i, loadf(weight + i) * round_to<T>(fVec::loadu(buf.data() + i) * inv_v));
+      for (; i < n; ++i) {
+        const T normed = static_cast<T>(buf[i] * inv);
+        o[i] = static_cast<T>(to_float(weight[i]) * to_float(normed));
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- RoPE + KV-cache write
+// qkv: [T, (H + 2 KVH) * D], the fused projection's output. Rotates the query and key heads in
+// place (rotate-half RoPE, Hugging Face's Llama convention) with float32 cos/sin tables of
+// [positions, D / 2], then copies each token's key and value rows into their cache slot.
+template <typename T>
+void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, const float* cos,
+                const float* sin, int64_t H, int64_t KVH, int64_t D, T* kc, T* vc,
+                const int64_t* slots) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qkv + t * stride;
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < H + KVH; ++h) {
+        T* x = row + h * D;
+        int64_t i = 0;
+        for (; i + W <= half; i += W) {
+          const fVec x1 = loadf(x + i), x2 = loadf(x + half + i);
+          const fVec cv = fVec::loadu(c + i), sv = fVec::loadu(s + i);
+          storef(x + i, x1 * cv - x2 * sv);
+          storef(x + half + i, x2 * cv + x1 * sv);
+        }
+        for (; i < half; ++i) {
+          const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
+          x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          x[half + i] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      if (slots[t] < 0) continue;  // padding
+      const int64_t kv = KVH * D;
+      std::copy(row + H * D, row + H * D + kv, kc + slots[t] * kv);
+      std::copy(row + H * D + kv, row + H * D + 2 * kv, vc + slots[t] * kv);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- SiLU and multiply
+// gate_up: [T, 2I] -> [T, I], silu(gate) * up, in float32.
+template <typename T>
+void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    const fVec one(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = in + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i = 0;
+      for (; i + W <= inter; i += W) {
+        const fVec x = loadf(g + i);
+        storef(o + i, x / (one + x.neg().exp()) * loadf(u + i));
+      }
+      for (; i < inter; ++i) {
+        const float x = to_float(g[i]);
+        o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * to_float(u[i]));
+      }
+    }
+  });
+}
+
+#define PM_DISPATCH(dtype, NAME, ...)                                       \
+  switch (dtype) {                                                          \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }        \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; } \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }      \
+    default: TORCH_CHECK(false, NAME, ": unsupported dtype ", dtype);       \
+  }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- entry points
+at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                        at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [B, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous());
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 16,
+              "query heads must be a multiple (<= 16) of the KV heads");
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  const float s = static_cast<float>(scale);
+  PM_DISPATCH(query.scalar_type(), "paged_decode",
+              decode_attention_d<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, s));
+  return out;
+}
+
+double read_kv_once(at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                    at::Tensor seq_lens) {
+  double total = 0;
+  PM_DISPATCH(k_cache.scalar_type(), "read_kv_once",
+              total = read_kv<scalar_t>(k_cache, v_cache, block_tables, seq_lens));
+  return total;
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows, n}, x.options());
+  PM_DISPATCH(x.scalar_type(), "rms_norm",
+              rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr,
+                                      weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                      rows, n, x.stride(0), static_cast<float>(eps)));
+  return out;
+}
+
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(),
+              "residual must be contiguous and shaped like x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows, n}, x.options());
+  PM_DISPATCH(x.scalar_type(), "add_rms_norm",
+              rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                      weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                      rows, n, x.stride(0), static_cast<float>(eps)));
+  return out;
+}
+
+void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                   int64_t num_heads, int64_t num_kv_heads, at::Tensor k_cache,
+                   at::Tensor v_cache, at::Tensor slot_mapping) {
+  check_rows(qkv, "qkv");
+  const int64_t D = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) >= (num_heads + 2 * num_kv_heads) * D, "qkv too narrow");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
+  PM_DISPATCH(qkv.scalar_type(), "rope_write_kv",
+              rope_write<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.size(0), qkv.stride(0),
+                                   positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                   sin.data_ptr<float>(), num_heads, num_kv_heads, D,
+                                   k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                   slot_mapping.data_ptr<int64_t>()));
+}
+
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous [T, 2I]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  PM_DISPATCH(gate_up.scalar_type(), "silu_and_mul",
+              silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                      rows, inter));
+  return out;
+}
+
+// Which vector width this build uses, e.g. "avx2 (8 floats)".
+std::string isa() {
+#if defined(CPU_CAPABILITY_AVX512)
+  std::string name = "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  std::string name = "avx2";
+#else
+  std::string name = "generic";
+#endif
+  return name + " (" + std::to_string(W) + " floats)";
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention");
+  m.def("read_kv_once", &read_kv_once, "one read of the keys and values (benchmark floor)");
+  m.def("rms_norm", &rms_norm, "RMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, then write k and v");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("isa", &isa, "the ISA this build targets");
+}

@@ -1,0 +1,300 @@
+"""The C++ CPU kernels (kernels/cpu_ops.py) against torch references, under every ISA build this
+machine can run, and the ISA cap (``PREFIXMESH_CPU_ISA``) that lets one machine run them all.
+
+An AVX2 machine runs the ``generic`` and ``avx2`` builds; an AVX-512 or AMX machine runs the
+``avx512`` one as well. Builds this CPU cannot run are still compiled (syntax only), so a change
+that breaks another machine's build fails here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_kernels import Case, check_close
+
+from kernels import cpu_flags, cpu_ops
+from kernels.torch_ref import TorchAttentionBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNABLE = sorted({cpu_ops.build_isa(isa) for isa in cpu_flags.supported_isas()})
+X86 = platform.machine() in ("x86_64", "AMD64")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Elementwise kernels round once where torch rounds after every op: tolerances per dtype.
+ELEMENTWISE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _ops(isa: str):
+    module = cpu_ops.load(isa)
+    assert module is not None, f"the {isa} build of kernels/csrc/cpu_ops.cpp failed to compile"
+    assert module.isa().startswith(isa)
+    return module
+
+
+# --------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128])
+@pytest.mark.parametrize("many", [False, True], ids=["per-kv-head", "per-sequence"])
+def test_decode_attention_matches_the_reference(isa, dtype, head_dim, many):
+    # Whole sequences per thread when there are at least 4 per thread, else one (sequence, KV
+    # head) per work item; contexts that are not multiples of the vector width; GQA of 3.
+    rng = random.Random(head_dim)
+    count = 4 * torch.get_num_threads() + 3 if many else 2
+    seqs = [(rng.randint(1, 120), 1) for _ in range(count)]
+    case = Case(seqs, 16, 6, 2, head_dim, dtype, seed=head_dim)
+    backend = TorchAttentionBackend(isa=isa)
+    assert backend._cpu_kernel is _ops(isa)
+    out, _, _ = case.run(backend)
+    check_close(out, case.naive(), dtype)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_decode_attention_reads_a_strided_query(isa):
+    # The model hands the kernel the query columns of the fused qkv projection: a view whose
+    # rows are wider than the query.
+    case = Case([(33, 1), (7, 1), (64, 1)], 16, 6, 2, 64, torch.float32, seed=5)
+    wide = torch.zeros(3, 6 * 64 + 100)
+    wide[:, : 6 * 64] = case.query.reshape(3, -1)
+    query = wide[:, : 6 * 64].view(3, 6, 64)
+    assert not query.is_contiguous()
+    k_cache, v_cache = case.caches()
+    flat_k, flat_v = k_cache.view(-1, 2, 64), v_cache.view(-1, 2, 64)
+    flat_k[case.meta.slot_mapping] = case.new_k
+    flat_v[case.meta.slot_mapping] = case.new_v
+    out = _ops(isa).paged_decode(
+        query, k_cache, v_cache, case.meta.block_tables, case.meta.seq_lens, case.scale
+    )
+    check_close(out, case.naive(), torch.float32)
+
+
+# --------------------------------------------------------------------------- elementwise
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    tol = ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm, in its order of operations."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 61])  # SmolLM2's, and one with a scalar tail
+def test_rms_norm_and_its_residual_add(isa, dtype, width):
+    ops = _ops(isa)
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=gen).to(dtype)
+    residual = torch.randn(9, width, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    _close(ops.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5), dtype)
+    summed = residual + x  # the decoder's skip connection, rounded to dtype as HF stores it
+    out = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, summed), "the residual is updated in place to residual + x"
+    _close(out, _hf_rms_norm(summed, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_rope_rotates_q_and_k_and_writes_the_cache(isa, dtype, head_dim):
+    ops = _ops(isa)
+    heads, kv_heads, tokens, block = 6, 2, 5, 4
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 3, 17, 4, 9])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(32).float(), inv_freq)
+    k_cache = torch.zeros(8, block, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([5, 30, -1, 0, 12])  # -1: a padding token, written nowhere
+    # The reference: Hugging Face's rotate-half RoPE in float32 on every head.
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)[positions][:, None, :]
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1)[positions][:, None, :]
+    heads_f = qkv.float().view(tokens, heads + 2 * kv_heads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-heads_f[..., half:], heads_f[..., :half]], -1)
+    expected = heads_f.clone()
+    expected[:, : heads + kv_heads] = (heads_f * cos + rotated * sin)[:, : heads + kv_heads]
+    ops.rope_write_kv(
+        qkv, positions, freqs.cos().contiguous(), freqs.sin().contiguous(), heads, kv_heads,
+        k_cache, v_cache, slots,
+    )  # fmt: skip
+    got = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
+    _close(got, expected, dtype)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], got[t, heads : heads + kv_heads])
+            assert torch.equal(flat_v[slot], got[t, heads + kv_heads :])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(flat_k.shape[0]) if s not in written]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(isa, dtype):
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (3 * torch.randn(7, 2 * 1539, generator=gen)).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    _close(_ops(isa).silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+# --------------------------------------------------------------------------- builds and caps
+def _compiles(isa: str) -> subprocess.CompletedProcess:
+    from torch.utils.cpp_extension import include_paths
+
+    cmd = ["c++", "-std=c++20", "-fsyntax-only", "-fopenmp", *cpu_ops.BUILD_FLAGS[isa],
+           "-DTORCH_EXTENSION_NAME=check", *[f"-I{p}" for p in include_paths()],
+           f"-I{sysconfig.get_paths()['include']}", str(cpu_ops.SOURCE)]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "isa", [isa for isa in cpu_ops.BUILD_FLAGS if X86 and isa not in RUNNABLE] or ["generic"]
+)
+def test_builds_this_cpu_cannot_run_still_compile(isa):
+    # The runnable builds are compiled (and tested) above; these only get a syntax check.
+    result = _compiles(isa)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _cpuinfo(tmp_path: Path, flags: str) -> str:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    return str(path)
+
+
+AVX2 = "fpu sse4_2 avx avx2 fma f16c"
+AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni"
+AMX = AVX512 + " amx_tile amx_bf16 amx_int8"
+
+
+@pytest.mark.parametrize(
+    ("flags", "native", "supported"),
+    [
+        (AVX2, "avx2", ("generic", "avx2")),
+        (AVX512, "avx512", ("generic", "avx2", "avx512")),
+        (AMX, "amx", ("generic", "avx2", "avx512", "amx")),
+        ("fpu sse4_2", "generic", ("generic",)),
+    ],
+    ids=["avx2", "avx512", "amx", "old"],
+)
+def test_isa_levels_of_the_three_machine_kinds(tmp_path, monkeypatch, flags, native, supported):
+    monkeypatch.delenv(cpu_flags.ISA_ENV, raising=False)
+    cpuinfo = _cpuinfo(tmp_path, flags)
+    assert cpu_flags.native_isa(cpuinfo) == cpu_flags.cpu_isa(cpuinfo) == native
+    assert cpu_flags.supported_isas(cpuinfo) == supported
+
+
+@pytest.mark.parametrize(
+    ("cap", "isa", "dtype", "gone", "kept"),
+    [
+        ("amx", "amx", "bfloat16", set(), {"amx_bf16", "avx512_bf16", "avx2"}),
+        ("avx512", "avx512", "bfloat16", {"amx_tile", "amx_bf16"}, {"avx512_bf16", "avx2"}),
+        ("avx2", "avx2", "float32", {"avx512f", "avx512_bf16", "amx_bf16"}, {"avx2", "fma"}),
+        ("generic", "generic", "float32", {"avx2", "fma", "avx512f", "amx_tile"}, {"sse4_2"}),
+    ],
+)
+def test_the_cap_makes_an_amx_machine_report_another_kind(
+    tmp_path, monkeypatch, cap, isa, dtype, gone, kept
+):
+    from replica import engine
+
+    cpuinfo = _cpuinfo(tmp_path, AMX)
+    monkeypatch.setenv(cpu_flags.ISA_ENV, cap)
+    flags = cpu_flags.cpu_flags(cpuinfo)
+    assert not flags & gone and kept <= flags
+    assert cpu_flags.cpu_isa(cpuinfo) == isa
+    assert cpu_flags.native_isa(cpuinfo) == "amx"  # the cap never hides what the CPU is
+    # The dtype default follows the cap, as it would on that kind of machine.
+    assert engine.cpu_has_native_bf16(cpuinfo) == (dtype == "bfloat16")
+
+
+def test_the_cap_only_takes_away_and_rejects_unknown_levels(tmp_path, monkeypatch):
+    cpuinfo = _cpuinfo(tmp_path, AVX2)
+    monkeypatch.setenv(cpu_flags.ISA_ENV, "amx")  # more than the CPU has: nothing changes
+    assert cpu_flags.cpu_isa(cpuinfo) == "avx2"
+    assert cpu_flags.cpu_flags(cpuinfo) == frozenset(AVX2.split())
+    monkeypatch.setenv(cpu_flags.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="PREFIXMESH_CPU_ISA must be one of"):
+        cpu_flags.cpu_isa(cpuinfo)
+
+
+_UNDER_CAP = textwrap.dedent(
+    """
+    import json, os, sys
+    from replica import LLM, SamplingParams
+    from replica.engine import cpu_has_native_bf16, default_dtype
+    from kernels.cpu_flags import cpu_isa
+    # Greedy tokens, and the first token's top-20 log-probabilities (teacher-forced: the same
+    # prompt on both paths, so a near-tie flipped by rounding cannot derail the comparison).
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    prompts = [[5, 9, 11, 200, 7], list(range(40, 75)), [3] * 20]
+    result = {"isa": cpu_isa(), "auto": default_dtype("cpu"), "bf16": cpu_has_native_bf16()}
+    runs = [("1", sys.argv[2]), ("0", sys.argv[2]), ("1f32", "float32")]
+    for kernels, dtype in runs:
+        os.environ["PREFIXMESH_CPU_KERNELS"] = kernels[0]
+        llm = LLM(sys.argv[1], dtype=dtype)
+        result["tokens" + kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        result["top" + kernels] = [
+            dict(o.outputs[0].logprobs[0].top) for o in llm.generate(prompts, first)
+        ]
+        ops = llm.engine.runner.model.ops
+        result["kernel" + kernels] = ops.isa() if ops is not None else None
+    print("RESULT" + json.dumps(result))
+    """
+)
+
+
+@pytest.mark.parametrize("cap", cpu_flags.supported_isas())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_under_every_cap_this_machine_supports(tiny_model_dir, cap, dtype):
+    # A fresh process per cap, with torch's own kernels (oneDNN, ATen) capped too: the engine
+    # runs as it would on that kind of machine, and its fused kernels compute what the torch
+    # path computes: the same greedy tokens in float32, log-probabilities within bfloat16's
+    # rounding in bfloat16.
+    env = {**os.environ, **cpu_flags.torch_env(cap)}
+    run = subprocess.run(
+        [sys.executable, "-c", _UNDER_CAP, str(tiny_model_dir), dtype],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT"))
+    result = json.loads(line[len("RESULT") :])
+    assert result["isa"] == cap
+    assert result["kernel1"].startswith(cpu_ops.build_isa(cap)) and result["kernel0"] is None
+    # The dtype default follows the cap: never bfloat16 below AVX-512.
+    assert result["auto"] == ("bfloat16" if result["bf16"] else "float32")
+    assert not (result["bf16"] and cap in ("generic", "avx2"))
+    if dtype == "float32":
+        assert result["tokens1"] == result["tokens0"]
+
+    def worst_gap(a: dict, b: dict) -> float:
+        common = a.keys() & b.keys()
+        assert len(common) >= 10
+        return max(abs(a[t] - b[t]) for t in common)
+
+    for fused, torch_path, exact in zip(result["top1"], result["top0"], result["top1f32"]):
+        if dtype == "float32":
+            assert worst_gap(fused, torch_path) < 1e-4
+        else:
+            # bfloat16 rounds differently on the two paths (torch after every op, the fused
+            # kernels once per kernel): the fused path must be no further from float32.
+            assert worst_gap(fused, exact) <= 1.25 * worst_gap(torch_path, exact) + 0.02
