@@ -1,10 +1,20 @@
-"""The CPU's measured float32 FMA peak, the ceiling any matmul on it can reach.
+"""The CPU's measured arithmetic peak, per unit: the ceiling any matmul on that unit can reach.
 
-A tiny C loop keeps ten independent AVX2 FMA chains per thread busy (enough to cover the FMA
-latency on every current x86 core), on as many OpenMP threads as torch uses, and reports the
-floating-point operations per second it sustained. Compiled once with the system C compiler
-into ``~/.cache/prefixmesh/kernels`` and called through ctypes. Only for x86 CPUs with AVX2 and
-FMA and a compiler that builds it; elsewhere :func:`fma_peak_gflops` returns ``None``.
+Units, by what an x86 CPU has (and ``PREFIXMESH_CPU_ISA`` allows, kernels/cpu_flags.py):
+
+- ``avx2-fma``: 8-wide float32 FMAs (every x86 CPU this project runs on);
+- ``avx512-fma``: 16-wide float32 FMAs (AVX-512 machines; float32 GEMMs run here there);
+- ``avx512-bf16``: ``vdpbf16ps``, 32 bfloat16 products a instruction (AVX-512 BF16 machines;
+  oneDNN's bfloat16 GEMMs run here where there is no AMX);
+- ``amx-bf16``: AMX tiles, measured as what torch's bfloat16 matmul (oneDNN on AMX) sustains at
+  a large square shape: tiles cannot be driven from a plain loop without asking the kernel for
+  them, and a large GEMM is the fastest thing they do.
+
+The loops keep ten independent accumulator chains per thread busy (enough to cover the latency
+on every current x86 core), on as many OpenMP threads as torch uses. They are compiled once with
+the system C compiler into ``~/.cache/prefixmesh/kernels`` (function-level target attributes, so
+one library holds every loop) and called through ctypes. Elsewhere (no x86, no compiler) a loop
+unit is ``None``.
 """
 
 from __future__ import annotations
@@ -15,42 +25,93 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
-from kernels.cpu_flags import cpu_flags
+from kernels.cpu_flags import cpu_flags, cpu_isa
+
+# unit -> (C function, flags it needs)
+LOOP_UNITS = {
+    "avx2-fma": ("fma_avx2", {"avx2", "fma"}),
+    "avx512-fma": ("fma_avx512", {"avx512f"}),
+    "avx512-bf16": ("dpbf16_avx512", {"avx512f", "avx512_bf16"}),
+}
 
 _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
 
-/* GFLOP/s of `iters` rounds of 10 independent 8-wide FMAs on each of `threads` threads. */
-double fma_gflops(long iters, int threads) {
+#define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9)
+
+/* Each function: GFLOP/s of `iters` rounds of 10 independent vector ops on `threads` threads. */
+__attribute__((target("avx2,fma"))) double fma_avx2(long iters, int threads) {
   volatile float sink = 0.f;
   double start = omp_get_wtime();
   #pragma omp parallel num_threads(threads)
   {
     const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-    __m256 a0 = _mm256_set1_ps(0.f), a1 = _mm256_set1_ps(1.f), a2 = _mm256_set1_ps(2.f),
-           a3 = _mm256_set1_ps(3.f), a4 = _mm256_set1_ps(4.f), a5 = _mm256_set1_ps(5.f),
-           a6 = _mm256_set1_ps(6.f), a7 = _mm256_set1_ps(7.f), a8 = _mm256_set1_ps(8.f),
-           a9 = _mm256_set1_ps(9.f);
-    for (long n = 0; n < iters; ++n) {
-      a0 = _mm256_fmadd_ps(a0, b, c); a1 = _mm256_fmadd_ps(a1, b, c);
-      a2 = _mm256_fmadd_ps(a2, b, c); a3 = _mm256_fmadd_ps(a3, b, c);
-      a4 = _mm256_fmadd_ps(a4, b, c); a5 = _mm256_fmadd_ps(a5, b, c);
-      a6 = _mm256_fmadd_ps(a6, b, c); a7 = _mm256_fmadd_ps(a7, b, c);
-      a8 = _mm256_fmadd_ps(a8, b, c); a9 = _mm256_fmadd_ps(a9, b, c);
-    }
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    s = _mm256_add_ps(s, _mm256_add_ps(a8, a9));
+#define DECL(i) __m256 a##i = _mm256_set1_ps((float)i);
+#define STEP(i) a##i = _mm256_fmadd_ps(a##i, b, c);
+#define SUM(i) s = _mm256_add_ps(s, a##i);
+    CHAINS(DECL)
+    for (long n = 0; n < iters; ++n) { CHAINS(STEP) }
+    __m256 s = _mm256_setzero_ps();
+    CHAINS(SUM)
     float out[8];
     _mm256_storeu_ps(out, s);
     #pragma omp atomic
     sink += out[0];  /* keeps the chains alive */
+#undef DECL
+#undef STEP
+#undef SUM
   }
-  double seconds = omp_get_wtime() - start;
-  return 2.0 * 8 * 10 * (double)iters * threads / seconds / 1e9;
+  return 2.0 * 8 * 10 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
+}
+
+__attribute__((target("avx512f"))) double fma_avx512(long iters, int threads) {
+  volatile float sink = 0.f;
+  double start = omp_get_wtime();
+  #pragma omp parallel num_threads(threads)
+  {
+    const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+#define DECL(i) __m512 a##i = _mm512_set1_ps((float)i);
+#define STEP(i) a##i = _mm512_fmadd_ps(a##i, b, c);
+#define SUM(i) s = _mm512_add_ps(s, a##i);
+    CHAINS(DECL)
+    for (long n = 0; n < iters; ++n) { CHAINS(STEP) }
+    __m512 s = _mm512_setzero_ps();
+    CHAINS(SUM)
+    #pragma omp atomic
+    sink += _mm512_reduce_add_ps(s);
+#undef DECL
+#undef STEP
+#undef SUM
+  }
+  return 2.0 * 16 * 10 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
+}
+
+/* vdpbf16ps: each of 16 float32 lanes accumulates two bfloat16 products (4 flops a lane). */
+__attribute__((target("avx512f,avx512bf16"))) double dpbf16_avx512(long iters, int threads) {
+  volatile float sink = 0.f;
+  double start = omp_get_wtime();
+  #pragma omp parallel num_threads(threads)
+  {
+    const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80);  /* 1.0 in bfloat16 */
+    const __m512bh c = (__m512bh)_mm512_set1_epi16(0x3380);  /* ~6e-8 */
+#define DECL(i) __m512 a##i = _mm512_set1_ps((float)i);
+#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, b, c);
+#define SUM(i) s = _mm512_add_ps(s, a##i);
+    CHAINS(DECL)
+    for (long n = 0; n < iters; ++n) { CHAINS(STEP) }
+    __m512 s = _mm512_setzero_ps();
+    CHAINS(SUM)
+    #pragma omp atomic
+    sink += _mm512_reduce_add_ps(s);
+#undef DECL
+#undef STEP
+#undef SUM
+  }
+  return 4.0 * 16 * 10 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
 }
 """
 
@@ -58,8 +119,6 @@ double fma_gflops(long iters, int threads) {
 def _library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    if not {"avx2", "fma"} <= (cpu_flags() or frozenset()):
         return None
     cache = Path(os.environ.get("PREFIXMESH_CACHE", Path.home() / ".cache" / "prefixmesh"))
     digest = hashlib.sha1(_SOURCE.encode()).hexdigest()[:12]
@@ -69,7 +128,7 @@ def _library() -> ctypes.CDLL | None:
         src = lib.with_suffix(".c")
         src.write_text(_SOURCE)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+        flags = ["-O2", "-fopenmp", "-shared", "-fPIC"]
         try:
             subprocess.run(
                 [compiler, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True
@@ -78,14 +137,56 @@ def _library() -> ctypes.CDLL | None:
             return None
         tmp.replace(lib)  # atomic: a concurrent run never loads a half-written file
     handle = ctypes.CDLL(str(lib))
-    handle.fma_gflops.argtypes = [ctypes.c_long, ctypes.c_int]
-    handle.fma_gflops.restype = ctypes.c_double
+    for function, _ in LOOP_UNITS.values():
+        getattr(handle, function).argtypes = [ctypes.c_long, ctypes.c_int]
+        getattr(handle, function).restype = ctypes.c_double
     return handle
 
 
-def fma_peak_gflops(threads: int, iters: int = 50_000_000, repeats: int = 3) -> float | None:
-    """Best of ``repeats`` runs of the FMA loop on ``threads`` threads, in GFLOP/s."""
+def loop_units() -> list[str]:
+    """The loop units this CPU (under the ISA cap) can run, narrowest first."""
+    flags = cpu_flags() or frozenset()
+    return [unit for unit, (_, needs) in LOOP_UNITS.items() if needs <= flags]
+
+
+def loop_peak_gflops(
+    unit: str, threads: int, iters: int = 50_000_000, repeats: int = 3
+) -> float | None:
+    """Best of ``repeats`` runs of ``unit``'s loop on ``threads`` threads, in GFLOP/s; ``None``
+    where the CPU lacks the unit or the loop does not build."""
+    if unit not in loop_units():
+        return None
     lib = _library()
     if lib is None:
         return None
-    return max(lib.fma_gflops(iters, threads) for _ in range(repeats))
+    function = getattr(lib, LOOP_UNITS[unit][0])
+    return max(function(iters, threads) for _ in range(repeats))
+
+
+def fma_peak_gflops(threads: int, iters: int = 50_000_000, repeats: int = 3) -> float | None:
+    """The widest float32 FMA unit's peak (``avx512-fma`` where present, else ``avx2-fma``)."""
+    unit = widest_fma_unit()
+    return None if unit is None else loop_peak_gflops(unit, threads, iters, repeats)
+
+
+def widest_fma_unit() -> str | None:
+    units = [u for u in loop_units() if u.endswith("-fma")]
+    return units[-1] if units else None
+
+
+def amx_peak_gflops(size: int = 2048, repeats: int = 3) -> float | None:
+    """What torch's bfloat16 matmul sustains at ``size``^3 on AMX tiles (best of ``repeats``);
+    ``None`` below the ``amx`` level."""
+    if cpu_isa() != "amx":
+        return None
+    import torch
+
+    a = torch.randn(size, size).to(torch.bfloat16)
+    b = torch.randn(size, size).to(torch.bfloat16)
+    torch.mm(a, b)  # warm-up: oneDNN picks and JITs its kernel
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9

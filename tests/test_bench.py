@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from replica import bench
 
 
@@ -64,37 +66,93 @@ def test_matmul_floor_times_every_linear_at_the_workload_shapes(tiny_model_dir, 
     assert sum(1 for r, w in calls if r == 2) == 4 * per_pass
 
 
-def test_attention_bench_compares_the_kernel_with_the_torch_path(tmp_path, capsys):
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_attention_bench_compares_the_kernel_with_the_torch_path(
+    tmp_path, capsys, dtype, tolerance
+):
+    # The dtype is pinned (auto means bfloat16 on some CPUs, float32 on others) and the two
+    # paths agree within that dtype's rounding.
     out = tmp_path / "attention.json"
-    argv = ["attention", "--batch", "6", "--context", "40", "--iters", "2", "--json", str(out)]
+    argv = ["attention", "--batch", "6", "--context", "40", "--iters", "2", "--dtype", dtype,
+            "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["batch"] == 6
-    assert result["max_abs_diff"] < 1e-4  # both paths compute the same attention
+    assert result["batch"] == 6 and result["dtype"] == dtype
+    assert result["max_abs_diff"] < tolerance  # both paths compute the same attention
     assert result["speedup"] == result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
-    assert "C++ kernel / torch path" in capsys.readouterr().out
+    assert result["kernel_vs_floor"] == result["cpu_kernel_ms"] / result["read_kv_ms"]
+    printed = capsys.readouterr().out
+    assert "C++ kernel / torch path" in printed and "one read of the" in printed
 
 
-def test_peak_bench_sets_the_gemm_against_the_fma_peak(tmp_path, capsys):
+def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys):
+    from kernels.cpu_flags import cpu_flags
+    from replica.engine import cpu_has_native_bf16
+
     out = tmp_path / "peak.json"
-    argv = ["peak", "--iters", "1", "--peak-iters", "5000000", "--json", str(out)]
+    argv = ["peak", "--iters", "1", "--peak-iters", "5000000", "--amx-size", "1024",
+            "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
-    assert len(result["gemm"]) == 9  # 5 shapes at 64 rows, 4 at 1,024 (no LM head)
-    assert all(g > 0 for g in result["gemm"].values()) and result["gemm_gflops"] > 0
+    flags = cpu_flags() or frozenset()
+    dtypes = ["float32"] + (["bfloat16"] if cpu_has_native_bf16() else [])
+    assert list(result["gemm"]) == dtypes
+    for dtype in dtypes:
+        assert len(result["gemm"][dtype]) == 9  # 5 shapes at 64 rows, 4 at 1,024 (no LM head)
+        assert all(g > 0 for g in result["gemm"][dtype].values())
+    peaks = result["peaks"]
+    # Each loop unit is measured exactly where the CPU (under any ISA cap) has it.
+    assert (peaks["avx512-fma"] is not None) == ("avx512f" in flags)
+    assert (peaks["avx512-bf16"] is not None) == ({"avx512f", "avx512_bf16"} <= flags)
+    assert (peaks["amx-bf16"] is not None) == (result["isa"] == "amx")
     printed = capsys.readouterr().out
-    if result["fma_peak_gflops"] is None:  # not an x86 CPU with AVX2 + FMA
+    if peaks["avx2-fma"] is None:  # not an x86 CPU with AVX2 + FMA, or no compiler
         assert "not measured here" in printed
-    else:
-        # No GEMM beats the FMA units it runs on.
-        assert result["gemm_gflops"] < result["fma_peak_gflops"]
-        assert result["gemm_share_of_peak"] == result["gemm_gflops"] / result["fma_peak_gflops"]
-        assert "of the FMA peak" in printed
+        return
+    summary = result["float32_summary"]
+    # float32 runs on the widest FMA unit the CPU has.
+    assert summary["unit"] == ("avx512-fma" if "avx512f" in flags else "avx2-fma")
+    for dtype in dtypes:
+        summary = result[f"{dtype}_summary"]
+        peak = peaks[summary["unit"]]
+        # No GEMM beats the unit it runs on (10% for timing noise between the two runs).
+        assert max(result["gemm"][dtype].values()) < 1.1 * peak
+        assert summary["share_of_peak"] == summary["gflops"] / peak
+        assert f"of the {summary['unit']} peak" in printed
 
 
-def test_fma_peak_is_none_where_it_cannot_be_built(tmp_path, monkeypatch):
-    from kernels.fma_peak import fma_peak_gflops
+def test_loop_peaks_are_none_where_they_cannot_be_built(tmp_path, monkeypatch):
+    from kernels.fma_peak import fma_peak_gflops, loop_peak_gflops
 
     monkeypatch.setenv("PREFIXMESH_CACHE", str(tmp_path))  # nothing built yet
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     assert fma_peak_gflops(1, iters=1000) is None
+    assert loop_peak_gflops("avx2-fma", 1, iters=1000) is None
+
+
+def test_loop_units_follow_the_isa_cap(monkeypatch):
+    from kernels.fma_peak import loop_units
+
+    monkeypatch.setenv("PREFIXMESH_CPU_ISA", "generic")
+    assert loop_units() == []
+    monkeypatch.setenv("PREFIXMESH_CPU_ISA", "avx2")
+    assert set(loop_units()) <= {"avx2-fma"}
+
+
+def test_breakdown_parts_add_up_to_the_step(tiny_model_dir):
+    from replica import LLM
+    from replica.bench.breakdown import measure_decode_step, start_decoding
+    from replica.bench.timing import random_prompts
+
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    engine = llm.engine
+    start_decoding(engine, random_prompts(5, 20, 300), max_tokens=12)
+    result = measure_decode_step(engine, steps=4)
+    assert result["num_seqs"] == 5 and result["steps"] == 4
+    parts = ["gemm", "attention", "other", "logits", "sampling", "host"]
+    assert all(result[f"{p}_ms"] > 0 for p in parts if p != "other")
+    assert abs(sum(result[f"{p}_ms"] for p in parts) - result["step_ms"]) < 1e-6
+    assert result["gemm_floor_ms"] > 0 and result["logits_floor_ms"] > 0
+    assert result["attention_floor_ms"] is None or result["attention_floor_ms"] > 0
+    engine.abort_all()
+    engine.check_integrity()

@@ -1,0 +1,106 @@
+"""``prefixmesh bench attention``: one layer's paged decode attention on the CPU (SmolLM2's
+heads, 64 sequences of ~240 tokens): the C++ kernel against the pure torch path (gather the
+blocks, then SDPA), and against its floor, one read of the same keys and values through the
+same block tables (``read_kv_once``, the same extension), all in one run."""
+
+from __future__ import annotations
+
+import functools
+
+from replica.bench.timing import seconds_per_call, set_threads
+
+HELP = "paged decode attention: the C++ kernel vs torch vs one read of the KV"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int, default=64, help="sequences")
+    parser.add_argument("--context", type=int, default=240, help="mean context length")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls")
+    parser.add_argument(
+        "--isa", default=None, help="kernel build: generic, avx2, avx512 (default: this CPU's)"
+    )
+
+
+def run(args) -> dict:
+    import torch
+
+    from kernels import cpu_ops
+    from kernels.interface import AttentionMetadata
+    from kernels.torch_ref import TorchAttentionBackend
+    from replica.engine import default_dtype
+
+    threads = set_threads(args)
+    dtype = getattr(torch, default_dtype("cpu") if args.dtype == "auto" else args.dtype)
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16  # SmolLM2-135M
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(args.context - 32, args.context + 33, (args.batch,), generator=gen)
+    blocks_per_seq = (int(lens.max()) + block - 1) // block
+    # Every sequence's blocks scattered over a pool twice the size needed, as in a busy engine.
+    num_blocks = 2 * args.batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, generator=gen)[: args.batch * blocks_per_seq]
+    tables = tables.view(args.batch, blocks_per_seq).int()
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(args.batch, heads, head_dim, generator=gen).to(dtype)
+    positions = (lens - 1).tolist()
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(args.batch + 1, dtype=torch.int32),
+        seq_lens=lens.int(),
+        block_tables=tables,
+        slot_mapping=torch.tensor(
+            [int(tables[i, p // block]) * block + p % block for i, p in enumerate(positions)]
+        ),
+        max_query_len=1,
+        max_seq_len=int(lens.max()),
+        query_lens_cpu=[1] * args.batch,
+        seq_lens_cpu=lens.tolist(),
+    )
+
+    def per_call_ms(fn) -> float:
+        return seconds_per_call(fn, args.iters, warmup=3) * 1000
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    outputs = {}
+    result = {"batch": args.batch, "mean_context": float(lens.float().mean()), "dtype": dtype_name}
+    kernels = cpu_ops.load(args.isa)
+    result["isa"] = kernels.isa() if kernels is not None else None
+    for name, use_kernel in (("cpu_kernel", None), ("torch_sdpa", False)):
+        backend = TorchAttentionBackend(use_cpu_kernel=use_kernel, isa=args.isa)
+        if use_kernel is None and not backend._use_cpu_kernel:
+            print("the C++ kernel is not available here (no compiler?)")
+            continue
+        backend.prepare(meta, block)
+        attend = functools.partial(backend.attend, query, k_cache, v_cache, meta, head_dim**-0.5)
+        outputs[name] = attend()
+        result[f"{name}_ms"] = per_call_ms(attend)
+    if len(outputs) == 2:
+        diff = (outputs["cpu_kernel"].float() - outputs["torch_sdpa"].float()).abs().max()
+        result["max_abs_diff"] = float(diff)
+        result["speedup"] = result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
+    touched = sum(int(n) for n in lens) * 2 * kv_heads * head_dim * k_cache.element_size()
+    result["kv_mb"] = touched / 1e6
+    if kernels is not None:
+        # The floor: every key and value the step attends to, read once, the kernel's way.
+        read = functools.partial(kernels.read_kv_once, k_cache, v_cache, tables, lens.int())
+        result["read_kv_ms"] = per_call_ms(read)
+        result["kernel_vs_floor"] = result["cpu_kernel_ms"] / result["read_kv_ms"]
+    print(
+        f"paged decode attention, one layer, {args.batch} sequences of ~{args.context} tokens "
+        f"({heads}/{kv_heads} heads, head_dim {head_dim}, {dtype_name}, {threads} threads, "
+        f"kernel build {result['isa']}), mean of {args.iters} calls:"
+    )
+    for name in ("cpu_kernel", "torch_sdpa"):
+        if f"{name}_ms" in result:
+            print(f"  {name:10s} {result[f'{name}_ms']:7.2f} ms")
+    if "read_kv_ms" in result:
+        print(
+            f"  floor: one read of the {result['kv_mb']:.1f} MB of keys and values through the "
+            f"block tables: {result['read_kv_ms']:.2f} ms; the kernel takes "
+            f"{result['kernel_vs_floor']:.2f}x that"
+        )
+    if "speedup" in result:
+        print(
+            f"  C++ kernel / torch path: {result['speedup']:.1f}x faster "
+            f"(max abs difference {result['max_abs_diff']:.1e})"
+        )
+    return result
