@@ -58,3 +58,21 @@ def test_chat_answer_and_prefix_cache_hit(llm_fp32):
     assert "Paris" in first.text and first.finish_reason == "stop"
     assert second.token_ids == first.token_ids
     assert second.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+
+
+def test_bfloat16_agrees_with_float32_on_95_percent_of_tokens(llm_fp32):
+    # Teacher-forced: at every position of float32's greedy continuation, bfloat16 predicts the
+    # next token from the same context (prefix caching makes each such request a few tokens of
+    # work), so one early divergence cannot drag the rest of a sequence along.
+    prompts = prompts_of_lengths(llm_fp32)
+    steps = 24
+    reference = llm_fp32.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    )
+    llm_bf16 = LLM("smollm2", dtype="bfloat16", max_num_batched_tokens=2048)
+    forced = [p + out.token_ids[:i] for p, out in zip(prompts, reference) for i in range(steps)]
+    expected = [t for out in reference for t in out.token_ids]
+    outputs = llm_bf16.generate(forced, SamplingParams(temperature=0, max_tokens=1))
+    llm_bf16.engine.check_integrity()
+    agree = sum(o.token_ids[0] == t for o, t in zip(outputs, expected)) / len(expected)
+    assert agree >= 0.95, f"bfloat16 chose float32's token at {agree:.1%} of {len(expected)}"

@@ -26,6 +26,12 @@ namespace {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t W = fVec::size();
 
+// Rows per thread for the elementwise kernels: about 256K elements, so a decode step's
+// 64 x 576 activations run on one thread. Splitting microseconds of work costs a fork and a
+// barrier per call, and a barrier can cost a whole scheduler slice when the cores are shared
+// (several replicas on one machine).
+inline int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 18) / width); }
+
 // ---------------------------------------------------------------- loads and stores as float
 template <typename T>
 inline fVec loadf(const T* p) {
@@ -74,6 +80,14 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// Row offsets (in elements) of a sequence's first `len` tokens in a paged cache.
+inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t row, int64_t* out) {
+  for (int64_t start = 0, b = 0; start < len; start += BS, ++b) {
+    const int64_t base = int64_t(table[b]) * BS, n = std::min(BS, len - start);
+    for (int64_t j = 0; j < n; ++j) out[start + j] = (base + j) * row;
+  }
+}
+
 // ---------------------------------------------------------------- paged decode attention
 // One query token per sequence, attending to its whole context through its block table.
 // A work item is one sequence and a range of its KV heads. For each KV head, a first pass
@@ -89,7 +103,11 @@ void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
   // Vectors of head_dim accumulated at once: the largest divisor of V up to 4.
   constexpr int CH = V % 4 == 0 ? 4 : (V % 3 == 0 ? 3 : (V % 2 == 0 ? 2 : 1));
   constexpr int64_t AHEAD = 4;  // tokens prefetched ahead
-  auto slot = [&](int64_t t) { return (int64_t(table[t / BS]) * BS + t % BS) * row; };
+  // Each token's row offset in the caches, worked out once (block by block, no divisions):
+  // the passes below visit every token up to 1 + G * V / CH times.
+  std::vector<int64_t> rows(len);
+  token_rows(table, len, BS, row, rows.data());
+  auto slot = [&](int64_t t) { return rows[t]; };
   std::vector<fVec> qv(G * V);
   std::vector<float> inv_sum(G);
   for (int64_t kvh = kvh_begin; kvh < kvh_end; ++kvh) {
@@ -208,11 +226,14 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
   const int32_t* lp = lens.data_ptr<int32_t>();
   std::vector<double> partial(B, 0.0);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
     for (int64_t b = begin; b < end; ++b) {
       fVec acc(0.f);
+      rows.resize(lp[b]);
+      token_rows(tp + b * MB, lp[b], BS, row, rows.data());
       for (const T* cache : {kc, vc}) {
         for (int64_t t = 0; t < lp[b]; ++t) {
-          const T* r = cache + (int64_t(tp[b * MB + t / BS]) * BS + t % BS) * row;
+          const T* r = cache + rows[t];
           for (int64_t i = 0; i + W <= row; i += W) acc = acc + loadf(r + i);
         }
       }
@@ -230,7 +251,7 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n,
                    int64_t x_stride, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
@@ -278,7 +299,7 @@ void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, cons
                 const float* sin, int64_t H, int64_t KVH, int64_t D, T* kc, T* vc,
                 const int64_t* slots) {
   const int64_t half = D / 2;
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_rows(stride), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv + t * stride;
       const float* c = cos + pos[t] * half;
@@ -310,7 +331,7 @@ void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, cons
 // gate_up: [T, 2I] -> [T, I], silu(gate) * up, in float32.
 template <typename T>
 void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(3 * inter), [&](int64_t begin, int64_t end) {
     const fVec one(1.f);
     for (int64_t r = begin; r < end; ++r) {
       const T* g = in + r * 2 * inter;
