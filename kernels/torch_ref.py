@@ -32,11 +32,11 @@ class _PrefillPlan:
 @dataclass(slots=True)
 class _DecodePlan:
     token_rows: torch.Tensor  # [Bd] int64, rows of the packed batch that are decodes
-    block_ids: torch.Tensor  # [Bd, max_blocks] int64
+    block_ids: torch.Tensor | None  # [Bd, max_blocks] int64 (torch path only)
     block_tables: torch.Tensor  # [Bd, max_blocks] int32, for the C++ kernel
     seq_lens: torch.Tensor  # [Bd] int32
     context_len: int  # padded context (max_blocks * block_size)
-    mask: torch.Tensor  # [Bd, 1, 1, context_len] bool, True = attend
+    mask: torch.Tensor | None  # [Bd, 1, 1, context_len] bool, True = attend (torch path only)
     contiguous: bool  # decode rows form one slice [start, end)
     start: int
     end: int
@@ -97,10 +97,15 @@ class TorchAttentionBackend(AttentionBackend):
             max_blocks = -(-max(lens) // block_size)
             seq_index = torch.tensor(decode_seqs, device=device)
             tables = meta.block_tables[seq_index, :max_blocks].contiguous()
-            block_ids = tables.long()
             context_len = max_blocks * block_size
-            lens_t = torch.tensor(lens, device=device)
-            mask = torch.arange(context_len, device=device)[None, :] < lens_t[:, None]
+            # The C++ kernel needs only the int32 tables and lengths; the gather + SDPA path
+            # also needs int64 block ids and a padding mask.
+            block_ids = mask = None
+            if not (self._use_cpu_kernel and device.type == "cpu"):
+                block_ids = tables.long()
+                lens_t = torch.tensor(lens, device=device)
+                mask = torch.arange(context_len, device=device)[None, :] < lens_t[:, None]
+                mask = mask[:, None, None, :]
             contiguous = decode_rows[-1] - decode_rows[0] == len(decode_rows) - 1
             self._decode = _DecodePlan(
                 torch.tensor(decode_rows, device=device),
@@ -108,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
                 tables,
                 torch.tensor(lens, dtype=torch.int32, device=device),
                 context_len,
-                mask[:, None, None, :],
+                mask,
                 contiguous,
                 decode_rows[0],
                 decode_rows[-1] + 1,
