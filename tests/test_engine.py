@@ -383,6 +383,7 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(
 ):
     from replica import engine
 
+    monkeypatch.delenv("PREFIXMESH_CPU_ISA", raising=False)  # these flags, uncapped
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     real_check = engine.cpu_has_native_bf16
