@@ -1,7 +1,7 @@
 """A request's prompt as the replicas see it: token ids and chained block hashes.
 
 Text is encoded with ``Tokenizer.encode`` and chat with ``Tokenizer.encode_chat``, exactly as
-``replica/request_mapping.py`` does, using the tokenizer files each model's replicas publish
+``replica/server/request_mapping.py`` does, using the tokenizer files each model's replicas publish
 (``Replica.GetModelInfo``); token ids are taken as they are. Hashes come from
 ``prefixmesh/hashing.py`` only, over prompt + ``resume_token_ids``.
 """

@@ -98,7 +98,7 @@ def _flag_dests(command: str) -> set[str]:
     if command == "router":
         from router.config import build_parser
     else:
-        from replica.server_config import build_parser
+        from replica.server.config import build_parser
     return {a.dest for a in build_parser()._actions}
 
 
@@ -270,7 +270,7 @@ def test_compose_services_serve_a_request_as_local_processes(
 
 def _exported_series() -> set[str]:
     """Every series name the replica and router /metrics endpoints can expose."""
-    from replica.metrics import ReplicaMetrics
+    from replica.server.metrics import ReplicaMetrics
     from router.metrics import RouterMetrics
 
     stats = SimpleNamespace(

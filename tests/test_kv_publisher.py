@@ -19,7 +19,7 @@ import redis
 from helpers import free_port, start_redis
 
 from prefixmesh import redis_layout as layout
-from replica.kv_publisher import KVEventBuffer, KVPublisher, net_changes
+from replica.server.kv_publisher import KVEventBuffer, KVPublisher, net_changes
 
 NS = "pmtest"
 RID = "r1"

@@ -10,8 +10,8 @@ from helpers import make_tiny_tokenizer
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
 from replica.outputs import StepOutput, TokenLogprobs
-from replica.request_mapping import engine_request, response, sampling_params
-from replica.server_config import ServerConfig, build_parser, parse_config
+from replica.server.config import ServerConfig, build_parser, parse_config
+from replica.server.request_mapping import engine_request, response, sampling_params
 
 
 def test_flags_beat_environment_which_beats_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from helpers import make_tiny_tokenizer
 from prefixmesh.hashing import block_hashes
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
-from replica.request_mapping import prompt_token_ids
+from replica.server.request_mapping import prompt_token_ids
 from router.discovery import ReplicaView
 from router.prompt import tokenize
 
@@ -49,7 +49,8 @@ def requests() -> list[pb.GenerateRequest]:
 def test_token_ids_and_hashes_match_the_replica(tokenizer: Tokenizer, index: int) -> None:
     request = requests()[index]
     tokens = tokenize(request, view_with(tokenizer))
-    expected = prompt_token_ids(request, tokenizer)  # what replica/request_mapping.py computes
+    # What replica/server/request_mapping.py computes:
+    expected = prompt_token_ids(request, tokenizer)
     assert tokens.ids_by_group[GROUP] == expected
     assert tokens.hashes_by_group[GROUP] == block_hashes(expected, 4, GROUP[0])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replica.server_config import build_parser as replica_parser
-from replica.server_config import parse_config as replica_config
+from replica.server.config import build_parser as replica_parser
+from replica.server.config import parse_config as replica_config
 from router.config import build_parser as router_parser
 from router.config import parse_config as router_config
 

@@ -15,11 +15,11 @@ import grpc
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from replica.engine_loop import EngineFailure, RequestHandle
-from replica.request_mapping import EngineRequest, engine_request, response
+from replica.server.engine_loop import EngineFailure, RequestHandle
+from replica.server.request_mapping import EngineRequest, engine_request, response
 
 if TYPE_CHECKING:
-    from replica.server import ReplicaServer
+    from replica.server.server import ReplicaServer
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):

@@ -31,11 +31,11 @@ from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from replica.engine_loop import EngineLoop
-from replica.kv_publisher import KVEventBuffer, KVPublisher
-from replica.metrics import ReplicaMetrics
-from replica.server_config import ServerConfig, parse_config
-from replica.servicers import GeneratorService, ReplicaService
+from replica.server.config import ServerConfig, parse_config
+from replica.server.engine_loop import EngineLoop
+from replica.server.kv_publisher import KVEventBuffer, KVPublisher
+from replica.server.metrics import ReplicaMetrics
+from replica.server.servicers import GeneratorService, ReplicaService
 
 log = logging.getLogger("prefixmesh.replica")
 
