@@ -34,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from prefixmesh.redis_server import EmbeddedRedis, free_port
+from prefixmesh.cli.redis_server import EmbeddedRedis, free_port
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

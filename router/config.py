@@ -29,7 +29,7 @@ class RouterConfig:
     router_id: str = ""
     policy: str = "cache_aware"
     metrics_port: int = 0
-    # OpenAI HTTP front door and API keys (prefixmesh/openai_http.py, prefixmesh/auth.py);
+    # OpenAI HTTP front door and API keys (prefixmesh/openai/http.py, prefixmesh/auth.py);
     # keys stay out of repr() so a logged config never shows them.
     http_port: int = 0
     api_key: str = field(default="", repr=False)

@@ -18,8 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixmesh.auth import ApiKeyInterceptor
-from prefixmesh.openai_doors import start_router_http
-from prefixmesh.openai_http import OpenAIHttpServer
+from prefixmesh.openai.doors import start_router_http
+from prefixmesh.openai.http import OpenAIHttpServer
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from router.config import POLICIES, RouterConfig, parse_config
@@ -162,7 +162,7 @@ class RouterServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.host)
-        if self.config.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai_doors.py) --
+        if self.config.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai/doors.py) --
             self.http = await start_router_http(
                 self, self.config.host, self.config.http_port, self.config.api_key
             )

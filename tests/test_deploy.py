@@ -21,8 +21,8 @@ import yaml
 from helpers import free_port
 from packaging.requirements import Requirement
 
-from prefixmesh.procs import wait_serving
-from prefixmesh.redis_server import find_redis_server, wait_for_redis
+from prefixmesh.cli.procs import wait_serving
+from prefixmesh.cli.redis_server import find_redis_server, wait_for_redis
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

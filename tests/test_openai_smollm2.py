@@ -11,7 +11,7 @@ import pytest
 from helpers import free_port, start_redis
 from test_openai_http import Proc, _get, _wait
 
-from prefixmesh.openai_http import REPLICA_HEADER
+from prefixmesh.openai.http import REPLICA_HEADER
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

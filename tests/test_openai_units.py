@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from prefixmesh.auth import bearer_metadata, bearer_ok
-from prefixmesh.openai_format import ResponseBuilder, token_text_fn
-from prefixmesh.openai_http import grpc_error
-from prefixmesh.openai_schema import (
+from prefixmesh.openai.format import ResponseBuilder, token_text_fn
+from prefixmesh.openai.http import grpc_error
+from prefixmesh.openai.schema import (
     CHAT_DEFAULT_MAX_TOKENS,
     OpenAIError,
     parse_chat,
@@ -219,7 +219,7 @@ async def _with_front_door(code, tokens_first, exercise):
     import aiohttp
     from prometheus_client import CollectorRegistry
 
-    from prefixmesh.openai_http import FrontDoor, OpenAIHttpServer
+    from prefixmesh.openai.http import FrontDoor, OpenAIHttpServer
     from proto import prefixmesh_pb2_grpc as pb_grpc
 
     server = grpc.aio.server()

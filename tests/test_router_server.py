@@ -94,7 +94,7 @@ def tokens_of(responses: list[pb.GenerateResponse]) -> list[int]:
 
 def test_router_server_imports_no_torch() -> None:
     code = (
-        "import sys, router.server, router.bench, router.echo_replica, prefixmesh.openai_doors;"
+        "import sys, router.server, router.bench, router.echo_replica, prefixmesh.openai.doors;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -22,7 +22,7 @@ import pytest
 from helpers import free_port
 
 from prefixmesh import up as up_cli
-from prefixmesh.procs import LogSink, ProcessSpec, Supervisor, wait_serving
+from prefixmesh.cli.procs import LogSink, ProcessSpec, Supervisor, wait_serving
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

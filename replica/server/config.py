@@ -41,7 +41,7 @@ class ServerConfig:
     max_queue: int = 256
     threads: int = 0
     metrics_port: int = 0
-    http_port: int = 0  # OpenAI-compatible HTTP (prefixmesh/openai_http.py)
+    http_port: int = 0  # OpenAI-compatible HTTP (prefixmesh/openai/http.py)
     api_key: str = field(default="", repr=False)  # prefixmesh/auth.py; never in a log line
     grace_period: float = 10.0
     attention_backend: str = "auto"

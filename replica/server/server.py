@@ -108,8 +108,8 @@ class ReplicaServer:
 
         self.loop.start()
         await server.start()
-        if cfg.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai_doors.py) --
-            from prefixmesh.openai_doors import start_replica_http
+        if cfg.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai/doors.py) --
+            from prefixmesh.openai.doors import start_replica_http
 
             self.http = await start_replica_http(self, cfg.host, cfg.http_port, cfg.api_key)
             self.http_address = f"{self.address.rsplit(':', 1)[0]}:{self.http.port}"

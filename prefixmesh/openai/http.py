@@ -25,8 +25,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prefixmesh.auth import bearer_metadata, bearer_ok
-from prefixmesh.openai_format import ResponseBuilder, token_text_fn
-from prefixmesh.openai_schema import OpenAIError, ParsedRequest, parse_chat, parse_completion
+from prefixmesh.openai.format import ResponseBuilder, token_text_fn
+from prefixmesh.openai.schema import OpenAIError, ParsedRequest, parse_chat, parse_completion
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

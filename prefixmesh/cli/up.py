@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixmesh.auth import API_KEY_ENV, bearer_metadata, client_api_key
-from prefixmesh.procs import (
+from prefixmesh.cli.procs import (
     Child,
     LogSink,
     ProcessSpec,
@@ -29,7 +29,7 @@ from prefixmesh.procs import (
     describe_exit,
     wait_serving,
 )
-from prefixmesh.redis_server import find_redis_server, free_port, redis_command, wait_for_redis
+from prefixmesh.cli.redis_server import find_redis_server, free_port, redis_command, wait_for_redis
 
 DEFAULT_ROUTER_PORT = 50050  # the router's own default (router/config.py)
 ROUTER = "router"
@@ -405,7 +405,7 @@ class Cluster:
 def _children_import_this_tree() -> None:
     """Children run ``python -m prefixmesh.cli``: make sure they import this very source tree,
     also when ``up`` runs from a checkout that is not installed and from another directory."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # prefixmesh/cli/up.py -> the tree
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])

@@ -8,11 +8,11 @@ import sys
 # command -> (module, one-line help). Modules are imported lazily so that the router's commands
 # never import torch.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("prefixmesh.up", "run Redis, N replicas and the router on this machine"),
+    "up": ("prefixmesh.cli.up", "run Redis, N replicas and the router on this machine"),
     "replica": ("replica.server", "serve one model replica over gRPC"),
     "router": ("router.server", "serve the KV-cache-aware router over gRPC"),
-    "generate": ("prefixmesh.generate", "send one prompt to the router and stream the answer"),
-    "top": ("prefixmesh.top", "live view of every replica's hit rate and load"),
+    "generate": ("prefixmesh.cli.generate", "send one prompt to the router and stream the answer"),
+    "top": ("prefixmesh.cli.top", "live view of every replica's hit rate and load"),
     "loadtest": ("loadtest.cli", "replay traces or synthetic workloads against the cluster"),
     "bench": ("replica.bench", "offline throughput benchmark of the replica engine"),
 }

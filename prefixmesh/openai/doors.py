@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixmesh.openai_http import FrontDoor, OpenAIHttpServer
+from prefixmesh.openai.http import FrontDoor, OpenAIHttpServer
 
 
 def _loopback(host: str, grpc_port: int) -> str:

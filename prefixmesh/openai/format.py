@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixmesh.openai_schema import ParsedRequest
+from prefixmesh.openai.schema import ParsedRequest
 from proto import prefixmesh_pb2 as pb
 
 TokenText = Callable[[int], str]
