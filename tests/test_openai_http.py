@@ -147,7 +147,15 @@ def test_router_completion_n2_logprobs_and_usage(cluster: Cluster):
     usage = out.usage
     assert usage.completion_tokens == 10 and usage.prompt_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + 10
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    # The same long prompt twice: the second finds its full blocks in the prefix cache.
+    long_prompt = "the cache router keeps prompt prefixes warm on the right replica " * 8
+    first, second = (
+        client.completions.create(model="m", prompt=long_prompt, max_tokens=1, temperature=0)
+        for _ in range(2)
+    )
+    prompt_tokens = second.usage.prompt_tokens
+    assert first.usage.prompt_tokens == prompt_tokens > 32
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < prompt_tokens
 
 
 def test_router_batch_and_token_prompts(cluster: Cluster):
