@@ -16,7 +16,8 @@ from rich.console import Console
 
 from loadtest.arrivals import ARRIVAL_KINDS
 from loadtest.bench import BenchOptions, compare_policies, run_once, save_run
-from loadtest.client import PROTOCOLS, ClientError, make_client, protocol_of
+from loadtest.client import ClientError
+from loadtest.clients import PROTOCOLS, make_client, protocol_of
 from loadtest.cluster import ClusterClient
 from loadtest.report import print_comparison, print_summary
 from loadtest.runner import RunLimits

@@ -3,8 +3,8 @@
 A client turns a ``LoadRequest`` into the server's wire format and yields ``Chunk``s as tokens
 arrive; the runner does all the timing, so every client (gRPC, OpenAI HTTP) is
 measured the same way. A new client implements ``stream`` and ``close`` and is added to
-``make_client``: ``GrpcClient`` (loadtest/grpc_client.py) and ``HttpClient`` (OpenAI
-``/v1/completions``, loadtest/http_client.py).
+``make_client`` (loadtest/clients.py): ``GrpcClient`` (loadtest/grpc_client.py) and
+``HttpClient`` (OpenAI ``/v1/completions``, loadtest/http_client.py).
 """
 
 from __future__ import annotations
@@ -53,35 +53,3 @@ class GenerateClient(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
-
-
-PROTOCOLS = ("grpc", "http")
-
-
-def protocol_of(target: str) -> str:
-    """``http`` for an ``http://`` or ``https://`` URL, else ``grpc`` (a host:port)."""
-    return "http" if target.lower().startswith(("http://", "https://")) else "grpc"
-
-
-def make_client(
-    protocol: str,
-    target: str,
-    channels: int = 1,
-    *,
-    api_key: str = "",
-    model: str | None = None,
-    max_connections: int = 0,
-) -> GenerateClient:
-    """A client for ``target``; ``channels`` is gRPC's pool, ``max_connections`` HTTP's (0: no
-    cap), ``model`` the HTTP body's ``model`` (None: the server's first)."""
-    if protocol == "grpc":
-        from loadtest.grpc_client import GrpcClient
-
-        return GrpcClient(target, channels=channels, api_key=api_key)
-    if protocol == "http":
-        from loadtest.http_client import HttpClient
-
-        if protocol_of(target) != "http":
-            target = f"http://{target}"
-        return HttpClient(target, api_key=api_key, model=model, max_connections=max_connections)
-    raise ValueError(f"protocol must be one of: {', '.join(PROTOCOLS)} (got {protocol!r})")

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.arrivals import ArrivalSpec, schedule
-from loadtest.client import make_client
+from loadtest.clients import make_client
 from loadtest.runner import RunLimits, run_phase
 from loadtest.summary import summarize
 from loadtest.synthetic import RandomSpec, random_requests

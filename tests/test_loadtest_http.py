@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import free_port, start_redis, stop_processes
 
 from loadtest.cli import main as loadtest_main
-from loadtest.client import make_client, protocol_of
+from loadtest.clients import make_client, protocol_of
 from loadtest.http_client import HttpClient
 from loadtest.request import LoadRequest, RequestResult
 from loadtest.runner import measure
