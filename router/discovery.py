@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -27,6 +28,9 @@ from prefixmesh.auth import bearer_metadata
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the tokenizer loads lazily, on the first replica of a model
+    from prefixmesh.tokenizer import Tokenizer
 
 log = logging.getLogger("prefixmesh.router")
 
@@ -121,7 +125,7 @@ class ReplicaView:
     ) -> None:
         self.handles: dict[str, ReplicaHandle] = {}
         self.listed: list[str] = []  # ids in the latest successful lookup
-        self.tokenizers: dict[GROUP_KEY, object] = {}  # prefixmesh.tokenizer.Tokenizer
+        self.tokenizers: dict[GROUP_KEY, Tokenizer | None] = {}
         self.model_ids: dict[GROUP_KEY, str] = {}
         self._fetching: set[GROUP_KEY] = set()
         self._tasks: set[asyncio.Task[None]] = set()

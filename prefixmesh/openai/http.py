@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
@@ -29,6 +29,9 @@ from prefixmesh.openai.format import ResponseBuilder, token_text_fn
 from prefixmesh.openai.schema import OpenAIError, ParsedRequest, parse_chat, parse_completion
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from prefixmesh.tokenizer import Tokenizer
 
 log = logging.getLogger("prefixmesh.http")
 
@@ -76,7 +79,7 @@ class FrontDoor:
 
     grpc_target: str  # host:port of this process's own gRPC server
     models: Callable[[], list[str]]  # model ids served (``/v1/models``, response ``model``)
-    tokenizer: Callable[[], Any | None]  # prefixmesh.tokenizer.Tokenizer, for logprob texts
+    tokenizer: Callable[[], Tokenizer | None]  # for logprob texts (None: not known yet)
     ready: Callable[[], tuple[bool, dict[str, Any]]]  # ``/health``: ok, details
     registry: CollectorRegistry  # served on ``/metrics``
     api_key: str = ""

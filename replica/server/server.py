@@ -21,7 +21,8 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,11 +32,16 @@ from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
+from replica.server.admission import Admission
 from replica.server.config import ServerConfig, parse_config
 from replica.server.engine_loop import EngineLoop
 from replica.server.kv_publisher import KVEventBuffer, KVPublisher
 from replica.server.metrics import ReplicaMetrics
-from replica.server.servicers import GeneratorService, ReplicaService
+from replica.server.servicers import GeneratorService, ReplicaService, ServedModel
+
+if TYPE_CHECKING:
+    from prefixmesh.openai.http import OpenAIHttpServer
+    from replica.engine import LLMEngine
 
 log = logging.getLogger("prefixmesh.replica")
 
@@ -49,25 +55,20 @@ _GRPC_OPTIONS = [
 class ReplicaServer:
     """One replica process: engine thread, gRPC server, Redis publisher and metrics."""
 
-    def __init__(self, config: ServerConfig, engine: Any) -> None:
+    def __init__(self, config: ServerConfig, engine: LLMEngine) -> None:
         self.config = config
         self.engine = engine
         self.replica_id = config.replica_id
-        self.vocab_size = int(engine.model_config.vocab_size)
         self.address = ""
         self.port = 0
-        self.draining = False
-        self.num_waiting = 0  # admitted requests that have not produced output yet
-        self.num_inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.admission = Admission(config.max_queue)
         self._stopped = asyncio.Event()
         self._force = asyncio.Event()  # a second signal: skip the rest of the grace period
         self.loop: EngineLoop | None = None
         self.publisher: KVPublisher | None = None
         self.metrics: ReplicaMetrics | None = None
         self.metrics_port = 0
-        self.http: Any = None  # OpenAIHttpServer when --http-port is set
+        self.http: OpenAIHttpServer | None = None  # when --http-port is set
         self.http_address = ""
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -83,20 +84,10 @@ class ReplicaServer:
         # -- API key (prefixmesh/auth.py): every gRPC call but health and reflection --
         interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
         server = grpc.aio.server(interceptors=interceptors, options=_GRPC_OPTIONS)
-        pb_grpc.add_GeneratorServicer_to_server(GeneratorService(self), server)
-        pb_grpc.add_ReplicaServicer_to_server(ReplicaService(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        services = (
-            pb.DESCRIPTOR.services_by_name["Generator"].full_name,
-            pb.DESCRIPTOR.services_by_name["Replica"].full_name,
-        )
-        reflection.enable_server_reflection(
-            (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
         self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if not self.port:
             raise SystemExit(f"prefixmesh replica: cannot bind {cfg.host}:{cfg.port}")
-        self.replica_id = cfg.resolved_replica_id(self.port)
+        self.replica_id = cfg.resolved_replica_id(self.port)  # may name the bound port
         self.address = cfg.resolved_advertise_address(self.port)
         self._server = server
 
@@ -105,13 +96,12 @@ class ReplicaServer:
         )
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+        services = self._add_services(server, self.loop, self.metrics)
 
         self.loop.start()
         await server.start()
-        if cfg.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai/doors.py) --
-            from prefixmesh.openai.doors import start_replica_http
-
-            self.http = await start_replica_http(self, cfg.host, cfg.http_port, cfg.api_key)
+        if cfg.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai/) --
+            self.http = await self._open_front_door()
             self.http_address = f"{self.address.rsplit(':', 1)[0]}:{self.http.port}"
         if cfg.redis:
             self.publisher = KVPublisher(
@@ -136,27 +126,82 @@ class ReplicaServer:
             f", metrics on :{self.metrics_port}" if self.metrics_port else "",
         )
 
+    def _add_services(
+        self, server: grpc.aio.Server, loop: EngineLoop, metrics: ReplicaMetrics
+    ) -> tuple[str, ...]:
+        """Mount the servicers, health and reflection; returns the served service names."""
+        engine = self.engine
+        model = ServedModel(
+            replica_id=self.replica_id,
+            model_id=engine.model_id,
+            block_size=engine.block_size,
+            max_model_len=engine.max_model_len,
+            vocab_size=int(engine.model_config.vocab_size),
+            tokenizer=engine.tokenizer,
+        )
+        generator = GeneratorService(loop, self.admission, model, metrics)
+        replica = ReplicaService(loop, self.admission, model, self._epoch)
+        pb_grpc.add_GeneratorServicer_to_server(generator, server)
+        pb_grpc.add_ReplicaServicer_to_server(replica, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        services = (
+            pb.DESCRIPTOR.services_by_name["Generator"].full_name,
+            pb.DESCRIPTOR.services_by_name["Replica"].full_name,
+        )
+        reflection.enable_server_reflection(
+            (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        return services
+
+    async def _open_front_door(self) -> OpenAIHttpServer:
+        """This replica's OpenAI door: its one model, ready while it serves and is not draining."""
+        from prefixmesh.openai.doors import loopback, open_front_door  # aiohttp: only if asked
+        from prefixmesh.openai.http import FrontDoor
+
+        cfg, engine = self.config, self.engine
+
+        def ready() -> tuple[bool, dict[str, Any]]:
+            ok = self.loop is not None and not self.admission.draining
+            return ok, {"replica_id": self.replica_id, "model": engine.model_id}
+
+        door = FrontDoor(
+            grpc_target=loopback(cfg.host, self.port),
+            models=lambda: [engine.model_id],
+            tokenizer=lambda: engine.tokenizer,
+            ready=ready,
+            registry=self.metrics.registry,
+            api_key=cfg.api_key,
+        )
+        return await open_front_door(door, cfg.host, cfg.http_port)
+
+    def _epoch(self) -> str:
+        return self.publisher.epoch if self.publisher else ""
+
     async def shutdown(self) -> None:
         """Drain: stop admitting, leave Redis, let in-flight requests finish, then stop."""
-        if self.draining:
+        admission = self.admission
+        if admission.draining:
             return
-        self.draining = True
+        admission.draining = True
         log.info(
             "shutting down: %d requests in flight, grace period %.1fs",
-            self.num_inflight,
+            admission.num_inflight,
             self.config.grace_period,
         )
         await self.health.enter_graceful_shutdown()
         if self.publisher is not None:
             await self.publisher.close(deregister=True)
-        waits = [asyncio.ensure_future(e.wait()) for e in (self._idle, self._force)]
+        waits = [
+            asyncio.ensure_future(admission.wait_idle()),
+            asyncio.ensure_future(self._force.wait()),
+        ]
         await asyncio.wait(
             waits, timeout=self.config.grace_period, return_when=asyncio.FIRST_COMPLETED
         )
         for w in waits:
             w.cancel()
-        if self.num_inflight:
-            log.warning("aborting %d requests still in flight", self.num_inflight)
+        if admission.num_inflight:
+            log.warning("aborting %d requests still in flight", admission.num_inflight)
         if self._server is not None:
             # Cancels the remaining streams: their handlers abort them in the engine.
             await self._server.stop(grace=0.5)
@@ -170,7 +215,7 @@ class ReplicaServer:
 
     def on_signal(self) -> None:
         """First SIGTERM/SIGINT drains gracefully; a second one cuts the grace period short."""
-        if self.draining:
+        if self.admission.draining:
             self._force.set()
         else:
             asyncio.ensure_future(self.shutdown())
@@ -178,7 +223,7 @@ class ReplicaServer:
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
-    # -- helpers for the servicers --------------------------------------------------------
+    # -- what the Redis lease carries -----------------------------------------------------
 
     def _lease_fields(self) -> dict[str, Any]:
         return {
@@ -203,23 +248,6 @@ class ReplicaServer:
             "cached_blocks": s.cached_blocks,
         }
 
-    def load(self) -> pb.ReplicaLoad:
-        s = self.loop.stats
-        return pb.ReplicaLoad(
-            replica_id=self.replica_id, running=s.running,
-            waiting=s.waiting, kv_usage=s.kv_usage,
-            queued_tokens=s.queued_tokens, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
-        )  # fmt: skip
-
-    def request_started(self) -> None:
-        self.num_inflight += 1
-        self._idle.clear()
-
-    def request_ended(self) -> None:
-        self.num_inflight -= 1
-        if self.num_inflight == 0:
-            self._idle.set()
-
 
 # -- process entry point ------------------------------------------------------------------
 
@@ -238,7 +266,7 @@ async def serve(config: ServerConfig) -> None:
     log.info("replica %s stopped", server.replica_id)
 
 
-def _run(coro: Any) -> None:
+def _run(coro: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
     except ImportError:  # Windows: the default loop works, only slower

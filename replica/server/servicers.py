@@ -1,57 +1,92 @@
 """The gRPC servicers of a replica: ``Generator.Generate`` and the ``Replica`` admin service.
 
-They hold no state of their own: everything lives on the ``ReplicaServer`` they serve.
+They hold no state of their own and never see the ``ReplicaServer``: they are given the engine
+loop (to run requests), the admission gate (waiting queue, in-flight count, draining), the
+metrics, and ``ServedModel`` (what this replica serves, fixed once its port is bound).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from prefixmesh.hashing import HASH_SCHEME
+from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from replica.server.engine_loop import EngineFailure, RequestHandle
+from replica.server.admission import Admission
+from replica.server.engine_loop import EngineFailure, EngineLoop, RequestHandle
+from replica.server.metrics import ReplicaMetrics
 from replica.server.request_mapping import EngineRequest, engine_request, response
 
 if TYPE_CHECKING:
-    from replica.server.server import ReplicaServer
+    from replica.engine import EngineStats, LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What one replica serves: its id and its engine's model, as clients and routers see it."""
+
+    replica_id: str
+    model_id: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer
+
+
+def load_message(stats: EngineStats, replica_id: str) -> pb.ReplicaLoad:
+    s = stats
+    return pb.ReplicaLoad(
+        replica_id=replica_id, running=s.running,
+        waiting=s.waiting, kv_usage=s.kv_usage,
+        queued_tokens=s.queued_tokens, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
+    )  # fmt: skip
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
     """``Generate``: one message per engine step per sample, usage on each sample's last."""
 
-    def __init__(self, server: ReplicaServer) -> None:
-        self.srv = server
+    def __init__(
+        self,
+        loop: EngineLoop,
+        admission: Admission,
+        model: ServedModel,
+        metrics: ReplicaMetrics,
+    ) -> None:
+        self.loop = loop
+        self.admission = admission
+        self.model = model
+        self.metrics = metrics
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        srv = self.srv
+        admission, loop = self.admission, self.loop
         arrival = time.monotonic()
-        if srv.draining:
+        if admission.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
         try:
-            req = engine_request(request, srv.engine.tokenizer, srv.vocab_size)
+            req = engine_request(request, self.model.tokenizer, self.model.vocab_size)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if srv.num_waiting >= srv.config.max_queue:
+        if admission.queue_full():
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"waiting queue is full ({srv.config.max_queue} requests); retry elsewhere",
+                f"waiting queue is full ({admission.max_queue} requests); retry elsewhere",
             )
         client_id = request.request_id or uuid.uuid4().hex
         engine_id = uuid.uuid4().hex  # client ids may collide; the engine's must not
-        srv.request_started()
-        srv.num_waiting += 1
+        admission.enter()
         waiting, handle, done = True, None, False
         try:
             try:
-                handle = await srv.loop.submit(
+                handle = await loop.submit(
                     engine_id,
                     req.prompt_token_ids,
                     req.params,
@@ -66,16 +101,14 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             async for msg in stream:
                 if waiting:
                     waiting = False
-                    srv.num_waiting -= 1
+                    admission.first_output()
                 yield msg
             done = True
         finally:
-            if waiting:
-                srv.num_waiting -= 1
             if handle is not None and not done:
-                srv.loop.abort(engine_id)  # cancelled, deadline expired or failed: free blocks
-            srv.loop.release(engine_id)
-            srv.request_ended()
+                loop.abort(engine_id)  # cancelled, deadline expired or failed: free blocks
+            loop.release(engine_id)
+            admission.leave(still_waiting=waiting)
 
     async def _stream(
         self,
@@ -85,7 +118,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         arrival: float,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        srv, metrics = self.srv, self.srv.metrics
+        metrics, replica_id = self.metrics, self.model.replica_id
         remaining = req.params.n
         first_token_at: float | None = None
         last_token_at: dict[int, float] = {}
@@ -106,52 +139,59 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 last_token_at[out.index] = now
             if out.finished:
                 remaining -= 1
-            yield response(out, client_id, srv.replica_id, req)
+            yield response(out, client_id, replica_id, req)
         metrics.e2e_latency.observe(time.monotonic() - arrival)
 
 
 class ReplicaService(pb_grpc.ReplicaServicer):
     """Load, stats, model info (tokenizer files) and the exact cache state for routers/tests."""
 
-    def __init__(self, server: ReplicaServer) -> None:
-        self.srv = server
+    def __init__(
+        self,
+        loop: EngineLoop,
+        admission: Admission,
+        model: ServedModel,
+        epoch: Callable[[], str],
+    ) -> None:
+        self.loop = loop
+        self.admission = admission
+        self.model = model
+        self.epoch = epoch  # the Redis lease's epoch ("" without Redis)
 
     async def GetLoad(self, request: pb.Empty, context: Any) -> pb.ReplicaLoad:  # noqa: N802
-        return self.srv.load()
+        return load_message(self.loop.stats, self.model.replica_id)
 
     async def GetStats(self, request: pb.Empty, context: Any) -> pb.ReplicaStats:  # noqa: N802
-        srv = self.srv
-        s = srv.loop.stats
+        s, model = self.loop.stats, self.model
         return pb.ReplicaStats(
-            load=srv.load(),
+            load=load_message(s, model.replica_id),
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             preemptions=s.preemptions,
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             finished_by_reason=dict(s.finished_by_reason),
-            model=srv.engine.model_id,
-            block_size=srv.engine.block_size,
+            model=model.model_id,
+            block_size=model.block_size,
             hash_scheme=HASH_SCHEME,
-            epoch=srv.publisher.epoch if srv.publisher else "",
+            epoch=self.epoch(),
             cached_blocks=s.cached_blocks,
         )
 
     async def GetModelInfo(self, request: pb.Empty, context: Any) -> pb.ModelInfo:  # noqa: N802
-        srv = self.srv
-        tok = srv.engine.tokenizer
+        model = self.model
         return pb.ModelInfo(
-            model=srv.engine.model_id,
-            block_size=srv.engine.block_size,
+            model=model.model_id,
+            block_size=model.block_size,
             hash_scheme=HASH_SCHEME,
-            max_model_len=srv.engine.max_model_len,
-            tokenizer_json=tok.tokenizer_json,
-            tokenizer_config_json=tok.tokenizer_config_json,
-            replica_id=srv.replica_id,
+            max_model_len=model.max_model_len,
+            tokenizer_json=model.tokenizer.tokenizer_json,
+            tokenizer_config_json=model.tokenizer.tokenizer_config_json,
+            replica_id=model.replica_id,
         )
 
     async def GetCacheState(self, request: pb.Empty, context: Any) -> pb.CacheState:  # noqa: N802
-        def inspect(engine: Any) -> tuple[set[bytes], str, Any]:
+        def inspect(engine: LLMEngine) -> tuple[set[bytes], str, EngineStats]:
             try:
                 engine.check_integrity()
                 error = ""
@@ -159,14 +199,14 @@ class ReplicaService(pb_grpc.ReplicaServicer):
                 error = f"{type(exc).__name__}: {exc}" or "integrity check failed"
             return engine.cached_block_hashes(), error, engine.get_stats()
 
-        hashes, error, s = await self.srv.loop.call(inspect)
+        hashes, error, s = await self.loop.call(inspect)
         return pb.CacheState(
-            replica_id=self.srv.replica_id,
+            replica_id=self.model.replica_id,
             block_hashes=sorted(hashes),
             integrity_ok=not error,
             integrity_error=error,
             num_blocks=s.num_blocks,
             free_blocks=s.free_blocks,
             used_blocks=s.num_blocks - s.free_blocks,
-            inflight_requests=self.srv.num_inflight,
+            inflight_requests=self.admission.num_inflight,
         )
