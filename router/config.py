@@ -14,8 +14,8 @@ import socket
 from dataclasses import dataclass, field
 
 from prefixmesh import settings
-
-POLICIES = ("cache_aware", "round_robin", "least_loaded", "random")
+from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS
+from router.policy import POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class RouterConfig:
     tie_tokens: int = 32
     prefill_weight: float = 1.0
     predicted_ttl_ms: int = 5000
-    default_max_tokens: int = 16
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     # Discovery and shared state.
     discovery_interval_s: float = 0.25
     inflight_flush_s: float = 0.1

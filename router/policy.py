@@ -132,6 +132,11 @@ class Policy(ABC):
 
     name: str = ""
 
+    @classmethod
+    def create(cls, **knobs: float) -> Policy:
+        """Build one from the router's cost knobs (``make_policy``); most policies use none."""
+        return cls()
+
     @abstractmethod
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision: ...
 
@@ -193,6 +198,13 @@ class CacheAwarePolicy(Policy):
         self.tie_tokens = tie_tokens
         self.prefill_weight = prefill_weight
 
+    @classmethod
+    def create(cls, **knobs: float) -> CacheAwarePolicy:
+        return cls(
+            knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
+            knobs["prefill_weight"],
+        )  # fmt: skip
+
     def cost(self, request: RouteRequest, candidate: Candidate) -> float:
         uncached = request.prompt_tokens - hit_tokens(request, candidate.matched_blocks)
         # Blocks predicted but not cached yet are being prefilled there for an earlier request
@@ -232,13 +244,17 @@ def make_policy(
     tie_tokens: int = 32,
     prefill_weight: float = 1.0,
 ) -> Policy:
-    """A policy by name: cache_aware, round_robin, least_loaded or random."""
-    if name == "cache_aware":
-        return CacheAwarePolicy(epsilon, slack_tokens, tie_tokens, prefill_weight)
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    if name == "random":
-        return RandomPolicy()
-    raise ValueError(f"unknown policy {name!r} (cache_aware, round_robin, least_loaded, random)")
+    """A policy by its name in ``REGISTRY``."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown policy {name!r} ({', '.join(POLICIES)})")
+    return REGISTRY[name].create(
+        epsilon=epsilon, slack_tokens=slack_tokens, tie_tokens=tie_tokens,
+        prefill_weight=prefill_weight,
+    )  # fmt: skip
+
+
+# Every policy by name: the one list that --policy, SetPolicy and make_policy use.
+REGISTRY: dict[str, type[Policy]] = {
+    p.name: p for p in (CacheAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, RandomPolicy)
+}
+POLICIES = tuple(REGISTRY)  # cache_aware (the default) first

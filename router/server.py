@@ -12,20 +12,25 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixmesh.auth import ApiKeyInterceptor
-from prefixmesh.openai.doors import start_router_http
-from prefixmesh.openai.http import OpenAIHttpServer
+from prefixmesh.openai.doors import loopback, open_front_door
+from prefixmesh.openai.http import FrontDoor, OpenAIHttpServer
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from router.config import POLICIES, RouterConfig, parse_config
+from router.config import RouterConfig, parse_config
 from router.forward import Forwarder
 from router.metrics import RouterMetrics
+from router.policy import POLICIES
 from router.routing import Router
+
+if TYPE_CHECKING:  # the tokenizer loads lazily, on the first replica of a model
+    from prefixmesh.tokenizer import Tokenizer
 
 log = logging.getLogger("prefixmesh.router")
 
@@ -163,14 +168,37 @@ class RouterServer:
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         if self.config.http_port:  # -- OpenAI HTTP front door (prefixmesh/openai/doors.py) --
-            self.http = await start_router_http(
-                self, self.config.host, self.config.http_port, self.config.api_key
+            self.http = await open_front_door(
+                self.front_door(), self.config.host, self.config.http_port
             )
         log.info(
             "router %s on %s:%d, policy %s, redis %s", self.router.router_id,
             self.config.host, self.port, self.config.policy, self.config.redis,
         )  # fmt: skip
         return self.port
+
+    def front_door(self) -> FrontDoor:
+        """The router's OpenAI door: the models its live replicas serve, ready while any is."""
+        view, router_id = self.router.view, self.router.router_id
+
+        def models() -> list[str]:
+            return sorted(set(view.model_ids.values()))
+
+        def tokenizer() -> Tokenizer | None:
+            return next((t for t in view.tokenizers.values() if t is not None), None)
+
+        def ready() -> tuple[bool, dict[str, Any]]:
+            live = len(view.live())
+            return live > 0, {"replicas": live, "router_id": router_id}
+
+        return FrontDoor(
+            grpc_target=loopback(self.config.host, self.port),
+            models=models,
+            tokenizer=tokenizer,
+            ready=ready,
+            registry=self.metrics.registry,
+            api_key=self.config.api_key,
+        )
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
