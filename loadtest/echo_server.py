@@ -19,6 +19,7 @@ import sys
 import grpc
 
 from prefixmesh.hashing import block_hashes
+from prefixmesh.request_defaults import requested_max_tokens
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -62,7 +63,7 @@ class EchoGenerator(pb_grpc.GeneratorServicer):
         ids = list(request.token_ids.ids)
         if not ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "echo server needs token_ids")
-        max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+        max_tokens = requested_max_tokens(request.sampling)
         cached = self.state.admit(ids, request.cache_salt)
         rid = self.state.replica_id
         sent = 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS, DEFAULT_N
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -14,8 +16,8 @@ class SamplingParams:
     boundaries; ``logprobs=k`` returns the top-k log-probabilities of every generated token.
     """
 
-    n: int = 1
-    max_tokens: int = 16
+    n: int = DEFAULT_N
+    max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0

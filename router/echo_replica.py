@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from prefixmesh import redis_layout as layout
 from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
+from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from prefixmesh.stop_strings import StopStringMatcher, unsent_text
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -160,8 +161,8 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
             hit += 1
         self.cached.update(hashes)
         sp = request.sampling
-        max_tokens = (sp.max_tokens if sp.HasField("max_tokens") else 16) - len(resumed)
-        n = sp.n if sp.HasField("n") and sp.n > 0 else 1
+        max_tokens = requested_max_tokens(sp) - len(resumed)
+        n = requested_n(sp)
         rid = request.request_id
         stop = StopStringMatcher(list(sp.stop), sp.include_stop_str_in_output)
         unsent = ""

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from proto import prefixmesh_pb2 as pb
 from router.routing import NoReplicaError, RoutePlan, Router
 
@@ -85,7 +86,7 @@ class Forwarder:
         arrival = time.perf_counter()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        n = request.sampling.n if request.sampling.HasField("n") and request.sampling.n > 0 else 1
+        n = requested_n(request.sampling)
         progress = _Progress(client_resumed=len(request.resume_token_ids))
         queue = [_Attempt(request, list(range(n)))]
         excluded: set[str] = set()
@@ -147,7 +148,9 @@ class Forwarder:
                          handle.replica_id)  # fmt: skip
                 group = handle.lease.group
                 queue.pop(0)
-                budget = _max_tokens(request, self.router.config.default_max_tokens)
+                budget = requested_max_tokens(
+                    request.sampling, self.router.config.default_max_tokens
+                )
                 resumes = []
                 for i in attempt.samples:
                     done = progress.generated.get(i, [])
@@ -205,11 +208,6 @@ class Forwarder:
 def _started(attempt: _Attempt, progress: _Progress) -> bool:
     """Whether the client already received something of this attempt's samples."""
     return any(i in progress.generated or i in progress.finished for i in attempt.samples)
-
-
-def _max_tokens(request: pb.GenerateRequest, default: int) -> int:
-    sp = request.sampling
-    return sp.max_tokens if sp.HasField("max_tokens") else default
 
 
 def _final(

@@ -22,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from prefixmesh.hashing import BlockHash
+from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from proto import prefixmesh_pb2 as pb
 from router.config import RouterConfig
 from router.discovery import GROUP_KEY, ReplicaHandle, ReplicaView
@@ -233,9 +234,9 @@ class Router:
         ids = tokens.ids_by_group.get(primary) if primary else None
         hashes = tokens.hashes_by_group.get(primary, []) if primary else []
         sampling = request.sampling
-        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 0
-        n = sampling.n if sampling.HasField("n") and sampling.n > 0 else 1
-        decode = (max_tokens or self.config.default_max_tokens) * n
+        # An explicit 0 (which the replica rejects) counts as the default, like an unset one.
+        default = self.config.default_max_tokens
+        decode = (requested_max_tokens(sampling, default) or default) * requested_n(sampling)
         candidates = [self._candidate(h, matches, hashes, primary) for h in handles]
         # Tie-break key: the deepest block some replica holds (the same for every request and
         # router sharing that prefix, distinct between prefixes), else the whole prompt.

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from prefixmesh.request_defaults import requested_n
 from proto import prefixmesh_pb2 as pb
 
 # Chat requests without max_tokens: OpenAI means "until the context is full"; the engine stops
@@ -289,7 +290,7 @@ def _finish(
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id,
         model=model if isinstance(model, str) else None,
         requests=requests,
-        n=sp.n if sp.HasField("n") else 1,
+        n=requested_n(sp),
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
