@@ -21,6 +21,7 @@ from prefixmesh.tokenizer import Tokenizer
 from replica.allocator import keep_freed_memory
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
+from replica.engine_request import EngineRequest
 from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
 from replica.output_processor import OutputProcessor
@@ -150,6 +151,14 @@ class LLMEngine:
         self._finished_by_reason: dict[str, int] = {}
 
     # ------------------------------------------------------------------ requests
+    def add(self, request: EngineRequest) -> None:
+        """Queue one ``EngineRequest`` (the server's path); the checks of ``add_request``."""
+        r = request
+        self.add_request(
+            r.request_id, r.prompt, r.params, priority=r.priority, cache_salt=r.cache_salt,
+            arrival_time=r.arrival_time, unsent_text=r.unsent_text,
+        )  # fmt: skip
+
     def add_request(
         self,
         request_id: str,

@@ -81,7 +81,11 @@ def test_resume_tokens_extend_the_prompt_and_use_the_budget() -> None:
     )
     req = engine_request(request, FakeTokenizer(), vocab_size=1000)
     assert req.prompt_token_ids == [97, 98, 7, 8, 9]
-    assert (req.params.max_tokens, req.params.min_tokens, req.num_prompt_tokens) == (7, 1, 2)
+    assert (req.engine.params.max_tokens, req.engine.params.min_tokens, req.num_prompt_tokens) == (
+        7,
+        1,
+        2,
+    )
     final = StepOutput("e", 0, [5], "x", True, "length", None, 5, 4, 7)
     usage = response(final, "client", "r1", req).usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (2, 10, 2)
@@ -103,9 +107,9 @@ def test_resume_text_chars_maps_to_the_unsent_text(tmp_path: Path) -> None:
             request.resume_text_chars = chars
         return engine_request(request, tok, vocab)
 
-    assert mapped(None).unsent_text == mapped(len(text)).unsent_text == ""
-    assert mapped(4).unsent_text == text[4:] == " cache prefix"
-    assert mapped(0).unsent_text == text
+    assert mapped(None).engine.unsent_text == mapped(len(text)).engine.unsent_text == ""
+    assert mapped(4).engine.unsent_text == text[4:] == " cache prefix"
+    assert mapped(0).engine.unsent_text == text
     for bad in (-1, len(text) + 1):
         with pytest.raises(ValueError, match="resume_text_chars"):
             mapped(bad)
@@ -113,9 +117,11 @@ def test_resume_text_chars_maps_to_the_unsent_text(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="resume_text_chars=4 .* 'cache'"):
         mapped(4, stop=["cache"])
     # ... unless its replica was not matching stop strings yet (min_tokens not reached).
-    assert mapped(4, stop=["cache"], min_tokens=len(resumed) + 1).unsent_text == " cache prefix"
+    assert (
+        mapped(4, stop=["cache"], min_tokens=len(resumed) + 1).engine.unsent_text == " cache prefix"
+    )
     no_resume = pb.GenerateRequest(text="hi", resume_text_chars=0)
-    assert engine_request(no_resume, tok, vocab).unsent_text == ""
+    assert engine_request(no_resume, tok, vocab).engine.unsent_text == ""
 
 
 def test_chat_and_response_fields() -> None:

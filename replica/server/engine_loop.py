@@ -17,10 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from replica.engine_request import EngineRequest
 from replica.outputs import StepOutput
-from replica.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from replica.engine import EngineStats, LLMEngine
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.02
@@ -34,7 +37,7 @@ class EngineFailure(RuntimeError):
 
 @dataclass(slots=True)
 class _Command:
-    fn: Callable[[Any], Any]
+    fn: Callable[[LLMEngine], Any]
     future: concurrent.futures.Future[Any] | None = None
 
 
@@ -57,7 +60,7 @@ class EngineLoop:
     accounting and logs an error if it is off (``GetCacheState`` reports the same check).
     """
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
         self._loop = loop
         self._commands: collections.deque[_Command] = collections.deque()
@@ -65,7 +68,7 @@ class EngineLoop:
         self._stopping = False
         self._handles: dict[str, RequestHandle] = {}  # touched on the event loop only
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self.stats: Any = engine.get_stats()
+        self.stats: EngineStats = engine.get_stats()
         self._stats_at = time.monotonic()
 
     # -- event-loop side ------------------------------------------------------------------
@@ -73,34 +76,13 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    async def submit(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
-        unsent_text: str = "",
-    ) -> RequestHandle:
+    async def submit(self, request: EngineRequest) -> RequestHandle:
         """Add a request to the engine; raises the engine's ``ValueError`` on bad input."""
+        request_id = request.request_id
         handle = RequestHandle(request_id)
         self._handles[request_id] = handle
-
-        def add(engine: Any) -> None:
-            engine.add_request(
-                request_id,
-                prompt,
-                params,
-                priority=priority,
-                cache_salt=cache_salt or None,
-                arrival_time=arrival_time,
-                unsent_text=unsent_text,
-            )
-
         try:
-            await self.call(add)
+            await self.call(lambda engine: engine.add(request))
         except BaseException:
             self._handles.pop(request_id, None)
             # Cancelled while the add was queued: it may still run, so abort right behind it
@@ -117,7 +99,7 @@ class EngineLoop:
         """Abort a request: the engine frees its blocks before its next step."""
         self._post(_Command(lambda engine: engine.abort_request(request_id)))
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._post(_Command(fn, future))

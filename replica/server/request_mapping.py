@@ -1,4 +1,4 @@
-"""Wire <-> engine: a ``GenerateRequest`` becomes an engine request, a ``StepOutput`` a response.
+"""Wire <-> engine: a ``GenerateRequest`` becomes an ``EngineRequest``, a ``StepOutput`` a response.
 
 Validation errors are ``ValueError``s naming the field as the client spells it; the servicer
 turns them into ``INVALID_ARGUMENT``.
@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixmesh.stop_strings import unsent_text
+from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
 from replica.detokenizer import resumed_text
+from replica.engine_request import EngineRequest
 from replica.outputs import StepOutput
 from replica.sampling_params import SamplingParams
 
@@ -25,15 +27,17 @@ _OPTIONAL_FIELDS = (
 
 
 @dataclass(slots=True)
-class EngineRequest:
-    """What the engine gets for one ``GenerateRequest``."""
+class MappedRequest:
+    """One ``GenerateRequest``: the ``EngineRequest`` it becomes, and what its responses need."""
 
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
+    engine: EngineRequest  # its prompt: token ids, the resumed tokens appended
     num_resumed: int  # tokens an earlier replica generated, appended to the prompt
-    unsent_text: str = ""  # their text past resume_text_chars: the client has not got it yet
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        ids = self.engine.prompt
+        assert isinstance(ids, list)  # the mapping always tokenizes
+        return ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,7 +57,7 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any) -> list[int]:
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     """The prompt as token ids, tokenized exactly as the engine would tokenize it."""
     kind = request.WhichOneof("input")
     if kind is None:
@@ -90,8 +94,18 @@ def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
             raise ValueError(f"{name}[{i}] must be a token id in [0, {vocab_size}) (got {t})")
 
 
-def engine_request(request: pb.GenerateRequest, tokenizer: Any, vocab_size: int) -> EngineRequest:
-    """Validate and convert a request; ``ValueError`` names the first bad field."""
+def engine_request(
+    request: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    *,
+    request_id: str = "",
+    arrival_time: float | None = None,
+) -> MappedRequest:
+    """Validate and convert a request; ``ValueError`` names the first bad field.
+
+    ``request_id`` is the engine's id for it (unique in the engine; the client's may collide).
+    """
     params = sampling_params(request.sampling)
     ids = prompt_token_ids(request, tokenizer)
     if request.WhichOneof("input") == "token_ids":
@@ -116,18 +130,20 @@ def engine_request(request: pb.GenerateRequest, tokenizer: Any, vocab_size: int)
             text, request.resume_text_chars, params.stop, params.include_stop_str_in_output,
             matching=params.min_tokens == 0,
         )  # fmt: skip
-    return EngineRequest(
-        prompt_token_ids=ids + resumed,
+    engine = EngineRequest(
+        request_id=request_id,
+        prompt=ids + resumed,
         params=params,
         priority=request.priority,
         cache_salt=request.cache_salt or None,
-        num_resumed=len(resumed),
+        arrival_time=arrival_time,
         unsent_text=unsent,
     )
+    return MappedRequest(engine, num_resumed=len(resumed))
 
 
 def response(
-    out: StepOutput, request_id: str, replica_id: str, req: EngineRequest
+    out: StepOutput, request_id: str, replica_id: str, req: MappedRequest
 ) -> pb.GenerateResponse:
     """One streamed message; the last one of a sample carries finish reason and usage."""
     msg = pb.GenerateResponse(

@@ -22,7 +22,7 @@ from proto import prefixmesh_pb2_grpc as pb_grpc
 from replica.server.admission import Admission
 from replica.server.engine_loop import EngineFailure, EngineLoop, RequestHandle
 from replica.server.metrics import ReplicaMetrics
-from replica.server.request_mapping import EngineRequest, engine_request, response
+from replica.server.request_mapping import MappedRequest, engine_request, response
 
 if TYPE_CHECKING:
     from replica.engine import EngineStats, LLMEngine
@@ -71,8 +71,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         arrival = time.monotonic()
         if admission.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
+        engine_id = uuid.uuid4().hex  # client ids may collide; the engine's must not
         try:
-            req = engine_request(request, self.model.tokenizer, self.model.vocab_size)
+            req = engine_request(
+                request, self.model.tokenizer, self.model.vocab_size,
+                request_id=engine_id, arrival_time=arrival,
+            )  # fmt: skip
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if admission.queue_full():
@@ -81,20 +85,11 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 f"waiting queue is full ({admission.max_queue} requests); retry elsewhere",
             )
         client_id = request.request_id or uuid.uuid4().hex
-        engine_id = uuid.uuid4().hex  # client ids may collide; the engine's must not
         admission.enter()
         waiting, handle, done = True, None, False
         try:
             try:
-                handle = await loop.submit(
-                    engine_id,
-                    req.prompt_token_ids,
-                    req.params,
-                    priority=req.priority,
-                    cache_salt=req.cache_salt,
-                    arrival_time=arrival,
-                    unsent_text=req.unsent_text,
-                )
+                handle = await loop.submit(req.engine)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             stream = self._stream(handle, req, client_id, arrival, context)
@@ -113,13 +108,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def _stream(
         self,
         handle: RequestHandle,
-        req: EngineRequest,
+        req: MappedRequest,
         client_id: str,
         arrival: float,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
         metrics, replica_id = self.metrics, self.model.replica_id
-        remaining = req.params.n
+        remaining = req.engine.params.n
         first_token_at: float | None = None
         last_token_at: dict[int, float] = {}
         while remaining:
