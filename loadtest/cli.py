@@ -26,12 +26,8 @@ from loadtest.tokens import DEFAULT_MIN_TOKEN_ID, DEFAULT_VOCAB_SIZE
 from loadtest.workload import SAMPLE_TRACE, WORKLOADS, build_workload
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="prefixmesh loadtest",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def _target_flags(p: argparse.ArgumentParser) -> None:
+    """Where to send requests and how."""
     g = p.add_argument_group("target")
     g.add_argument(
         "--target",
@@ -78,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         "by earlier runs do not inflate the hit rate; '' for none",
     )
 
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    """What to send: a trace or a synthetic workload."""
     g = p.add_argument_group("workload")
     g.add_argument(
         "--workload",
@@ -130,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
 
+
+def _arrival_flags(p: argparse.ArgumentParser) -> None:
+    """When to send it, and how long a run may take."""
     g = p.add_argument_group("arrivals and bounds")
     g.add_argument(
         "--arrival",
@@ -162,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--request-timeout", type=float, default=300.0, help="per-request deadline (s)")
 
+
+def _result_flags(p: argparse.ArgumentParser) -> None:
+    """What to report and where."""
     g = p.add_argument_group("results")
     g.add_argument(
         "--out", type=Path, default=None, help="output folder (default: loadtest-results/<time>)"
@@ -175,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="no PNG plots")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixmesh loadtest",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _target_flags(p)
+    _workload_flags(p)
+    _arrival_flags(p)
+    _result_flags(p)
     return p
 
 

@@ -77,7 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
         "router, with prefixed logs. Ctrl-C stops everything.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    # Hand-written, not settings.build_parser: up's own flags do not read PREFIXMESH_*
+    # variables (those configure its children), except --api-key, which it hands on.
     d = UpConfig()
+    _cluster_flags(parser, d)
+    _supervision_flags(parser, d)
+    return parser
+
+
+def _cluster_flags(parser: argparse.ArgumentParser, d: UpConfig) -> None:
+    """The cluster's shape: replicas, model, addresses, Redis, policy, threads."""
     parser.add_argument("--replicas", "-n", type=int, default=d.replicas, help="replicas")
     parser.add_argument(
         "--model", default=d.model, help="model name ('smollm2'), Hugging Face folder or .gguf file"
@@ -110,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.threads,
         help="torch threads per replica (0 = max(1, cores // replicas))",
     )
+
+
+def _supervision_flags(parser: argparse.ArgumentParser, d: UpConfig) -> None:
+    """How the children run: metrics, restarts, timeouts, logs, extra flags, the API key."""
     parser.add_argument(
         "--metrics",
         action=argparse.BooleanOptionalAction,
@@ -160,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="API key of the router and every replica (their --api-key): clients send "
         "'Authorization: Bearer <key>' [env PREFIXMESH_API_KEY] (value not shown)",
     )
-    return parser
 
 
 def parse_config(argv: list[str]) -> UpConfig:
