@@ -41,6 +41,7 @@ import grpc
 
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from proto import prefixmesh_pb2 as pb
+from router.discovery import ReplicaHandle
 from router.routing import NoReplicaError, RoutePlan, Router
 
 log = logging.getLogger("prefixmesh.router")
@@ -121,16 +122,8 @@ class Forwarder:
                 queue.pop(0)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code is grpc.StatusCode.UNAUTHENTICATED:  # the router's key, not the client's
-                    self.metrics.error(code.name)
-                    await context.abort(code, self.router.view.key_refused(handle))
                 failures += 1
-                if (
-                    code not in _REPLICA_FAILURES | _BUSY
-                    or failures >= self.router.config.max_attempts
-                ):
-                    self.metrics.error(code.name)
-                    await context.abort(code, exc.details() or code.name)
+                await self._abort_if_final(exc, handle, failures, context)
                 if code is grpc.StatusCode.UNAVAILABLE:
                     self.router.view.mark_dead(handle.replica_id)
                 excluded.add(handle.replica_id)
@@ -148,27 +141,58 @@ class Forwarder:
                          handle.replica_id)  # fmt: skip
                 group = handle.lease.group
                 queue.pop(0)
-                budget = requested_max_tokens(
-                    request.sampling, self.router.config.default_max_tokens
+                finals, resumes = self._resumes(
+                    request, attempt, progress, prompt_ids, handle.replica_id
                 )
-                resumes = []
-                for i in attempt.samples:
-                    done = progress.generated.get(i, [])
-                    if i in progress.finished:
-                        continue
-                    completion = progress.client_resumed + len(done)
-                    if completion >= budget:  # only the final message was lost
-                        yield _final(request, i, handle.replica_id, prompt_ids, completion)
-                        progress.finished.add(i)
-                        continue
-                    chars = progress.text_chars.get(i, 0)
-                    resumed = _resume_request(request, prompt_ids, done, chars)
-                    resumes.append(_Attempt(resumed, [i]))
+                for msg in finals:
+                    yield msg
                 queue[:0] = resumes
             finally:
                 plan.release()
                 if not call.done():
                     call.cancel()
+
+    async def _abort_if_final(
+        self,
+        exc: grpc.aio.AioRpcError,
+        handle: ReplicaHandle,
+        failures: int,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """End the client's call with this failure unless another replica may still serve it."""
+        code = exc.code()
+        if code is grpc.StatusCode.UNAUTHENTICATED:  # the router's key, not the client's
+            self.metrics.error(code.name)
+            await context.abort(code, self.router.view.key_refused(handle))
+        if code not in _REPLICA_FAILURES | _BUSY or failures >= self.router.config.max_attempts:
+            self.metrics.error(code.name)
+            await context.abort(code, exc.details() or code.name)
+
+    def _resumes(
+        self,
+        request: pb.GenerateRequest,
+        attempt: _Attempt,
+        progress: _Progress,
+        prompt_ids: list[int],
+        failed_replica: str,
+    ) -> tuple[list[pb.GenerateResponse], list[_Attempt]]:
+        """After a mid-stream failure: the final messages of samples whose tokens all arrived
+        (only their last message was lost), and one resume attempt per unfinished sample."""
+        budget = requested_max_tokens(request.sampling, self.router.config.default_max_tokens)
+        finals: list[pb.GenerateResponse] = []
+        resumes: list[_Attempt] = []
+        for i in attempt.samples:
+            done = progress.generated.get(i, [])
+            if i in progress.finished:
+                continue
+            completion = progress.client_resumed + len(done)
+            if completion >= budget:  # only the final message was lost
+                finals.append(_final(request, i, failed_replica, prompt_ids, completion))
+                progress.finished.add(i)
+                continue
+            chars = progress.text_chars.get(i, 0)
+            resumes.append(_Attempt(_resume_request(request, prompt_ids, done, chars), [i]))
+        return finals, resumes
 
     def _observe(
         self,
