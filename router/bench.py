@@ -117,66 +117,62 @@ async def _serve_passthrough(target: str) -> None:
     await server.wait_for_termination()
 
 
-async def _measure(
-    args: argparse.Namespace,
-    router_addr: str,
-    metrics_port: int = 0,
-    passthrough: str = "",
-    pids: dict[str, int] | None = None,
-) -> dict[str, float]:
-    """TTFT samples via the router, direct and via the passthrough proxy, then throughput.
-
-    ``pids`` (router, passthrough, echo) adds each process's CPU time per request it served
-    during the sequential phase: how much of a hop is work rather than waiting.
-    """
-    pids = pids or {}
-    rng = random.Random(0)
-    prefixes = [
-        [rng.randrange(1000) for _ in range(args.prompt_tokens)] for _ in range(args.groups)
-    ]
-    router_ch = grpc.aio.insecure_channel(router_addr)
-    cluster = pb_grpc.ClusterStub(router_ch)
+async def _wait_for_replicas(cluster: pb_grpc.ClusterStub, replicas: int) -> pb.ClusterState:
     deadline = time.monotonic() + 20
     while True:
         state = await cluster.ListReplicas(pb.Empty())
-        if len(state.replicas) == args.replicas:
+        if len(state.replicas) == replicas:
             break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"router sees {len(state.replicas)} of {args.replicas} replicas")
+            raise RuntimeError(f"router sees {len(state.replicas)} of {replicas} replicas")
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)  # the router fetches each model's info once
-    direct_ch = grpc.aio.insecure_channel(state.replicas[0].address)
-    via_router, direct = pb_grpc.GeneratorStub(router_ch), pb_grpc.GeneratorStub(direct_ch)
+    return state
 
-    proxy_ch = grpc.aio.insecure_channel(passthrough or state.replicas[0].address)
-    via_proxy = pb_grpc.GeneratorStub(proxy_ch)
+
+async def _sequential(
+    stubs: tuple[pb_grpc.GeneratorStub, ...],
+    requests: int,
+    prefixes: list[list[int]],
+    rng: random.Random,
+    pids: dict[str, int],
+) -> tuple[list[list[float]], dict[str, float]]:
+    """Phase 1 and 3: TTFT samples per stub, alternating, one in flight; CPU ms per request."""
     for _ in range(50):  # warm up channels, caches, the script cache
-        for stub in (via_router, direct, via_proxy):
+        for stub in stubs:
             await _ttft(stub, _request(prefixes, rng))
-    routed, straight, proxied = [], [], []
+    samples: list[list[float]] = [[] for _ in stubs]
     cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-    for _ in range(args.requests):
-        routed.append(await _ttft(via_router, _request(prefixes, rng)))
-        straight.append(await _ttft(direct, _request(prefixes, rng)))
-        proxied.append(await _ttft(via_proxy, _request(prefixes, rng)))
-    served = {"router": args.requests, "passthrough": args.requests, "echo": 3 * args.requests}
+    for _ in range(requests):
+        for stub, times in zip(stubs, samples):
+            times.append(await _ttft(stub, _request(prefixes, rng)))
+    served = {"router": requests, "passthrough": requests, "echo": 3 * requests}
     cpu_ms = {
         f"cpu_ms_per_request_{name}": (_cpu_seconds(pid) - cpu_before[name]) * 1000.0 / served[name]
         for name, pid in pids.items()
     }
-    await proxy_ch.close()
+    return samples, cpu_ms
 
+
+async def _router_histograms(metrics_port: int) -> dict[str, float]:
+    """The router's own view: arrival to upstream call issued, and its Redis lookup."""
     internal: dict[str, float] = {}
-    if metrics_port:  # the router's own view: arrival to upstream call issued
+    if metrics_port:
         before = await asyncio.to_thread(_scrape, metrics_port)
         for q in (0.5, 0.99):
             value = _histogram_quantile(before, "router_overhead_seconds", q)
             internal[f"router_internal_p{int(q * 100)}_ms"] = value * 1000.0
             value = _histogram_quantile(before, "router_redis_lookup_seconds", q)
             internal[f"redis_lookup_p{int(q * 100)}_ms"] = value * 1000.0
-    await cluster.ResetStats(pb.Empty())
+    return internal
+
+
+async def _throughput(
+    via_router: pb_grpc.GeneratorStub, prefixes: list[list[int]], concurrency: int, seconds: float
+) -> float:
+    """Phase 2: routed requests per second with ``concurrency`` in flight for ``seconds``."""
     done = 0
-    stop_at = time.perf_counter() + args.seconds
+    stop_at = time.perf_counter() + seconds
 
     async def worker(seed: int) -> None:
         nonlocal done
@@ -187,11 +183,13 @@ async def _measure(
             done += 1
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
-    elapsed = time.perf_counter() - start
-    state = await cluster.ListReplicas(pb.Empty())
-    await router_ch.close()
-    await direct_ch.close()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return done / (time.perf_counter() - start)
+
+
+def _latency_summary(
+    routed: list[float], straight: list[float], proxied: list[float]
+) -> dict[str, float]:
     ms = 1000.0
     return {
         "ttft_router_p50_ms": _percentile(routed, 0.5) * ms,
@@ -205,7 +203,46 @@ async def _measure(
         "ttft_passthrough_p99_ms": _percentile(proxied, 0.99) * ms,
         "proxy_hop_p50_ms": (_percentile(proxied, 0.5) - _percentile(straight, 0.5)) * ms,
         "proxy_hop_p99_ms": (_percentile(proxied, 0.99) - _percentile(straight, 0.99)) * ms,
-        "routed_requests_per_s": done / elapsed,
+    }
+
+
+async def _measure(
+    args: argparse.Namespace,
+    router_addr: str,
+    metrics_port: int = 0,
+    passthrough: str = "",
+    pids: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """TTFT samples via the router, direct and via the passthrough proxy, then throughput.
+
+    ``pids`` (router, passthrough, echo) adds each process's CPU time per request it served
+    during the sequential phase: how much of a hop is work rather than waiting.
+    """
+    rng = random.Random(0)
+    prefixes = [
+        [rng.randrange(1000) for _ in range(args.prompt_tokens)] for _ in range(args.groups)
+    ]
+    router_ch = grpc.aio.insecure_channel(router_addr)
+    cluster = pb_grpc.ClusterStub(router_ch)
+    state = await _wait_for_replicas(cluster, args.replicas)
+    direct_ch = grpc.aio.insecure_channel(state.replicas[0].address)
+    via_router, direct = pb_grpc.GeneratorStub(router_ch), pb_grpc.GeneratorStub(direct_ch)
+    proxy_ch = grpc.aio.insecure_channel(passthrough or state.replicas[0].address)
+    via_proxy = pb_grpc.GeneratorStub(proxy_ch)
+    (routed, straight, proxied), cpu_ms = await _sequential(
+        (via_router, direct, via_proxy), args.requests, prefixes, rng, pids or {}
+    )
+    await proxy_ch.close()
+
+    internal = await _router_histograms(metrics_port)
+    await cluster.ResetStats(pb.Empty())
+    per_s = await _throughput(via_router, prefixes, args.concurrency, args.seconds)
+    state = await cluster.ListReplicas(pb.Empty())
+    await router_ch.close()
+    await direct_ch.close()
+    return {
+        **_latency_summary(routed, straight, proxied),
+        "routed_requests_per_s": per_s,
         "throughput_errors": state.routing.errors,
         "throughput_hit_rate": state.routing.hit_rate,
         **internal,
@@ -226,7 +263,7 @@ def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m router.bench",
         description=__doc__,
@@ -241,7 +278,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="cache_aware", help="router policy")
     parser.add_argument("--json", default="", help="also write the summary here")
     parser.add_argument("--serve-passthrough", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _print_table(result: dict[str, float], concurrency: int) -> None:
+    """The summary as the Markdown table of docs/router.md."""
+    print(
+        "\n| metric | p50 | p99 |\n|---|---|---|\n"
+        f"| TTFT via router (ms) | {result['ttft_router_p50_ms']:.3f} "
+        f"| {result['ttft_router_p99_ms']:.3f} |\n"
+        f"| TTFT direct (ms) | {result['ttft_direct_p50_ms']:.3f} "
+        f"| {result['ttft_direct_p99_ms']:.3f} |\n"
+        f"| TTFT via a routing-free Python gRPC proxy (ms) "
+        f"| {result['ttft_passthrough_p50_ms']:.3f} | {result['ttft_passthrough_p99_ms']:.3f} |\n"
+        f"| router overhead: TTFT difference (ms) | {result['overhead_p50_ms']:.3f} "
+        f"| {result['overhead_p99_ms']:.3f} |\n"
+        f"| router overhead: arrival to upstream call, router histogram (ms) "
+        f"| {result['router_internal_p50_ms']:.3f} | {result['router_internal_p99_ms']:.3f} |\n"
+        f"| of which the Redis lookup, router histogram (ms) "
+        f"| {result['redis_lookup_p50_ms']:.3f} | {result['redis_lookup_p99_ms']:.3f} |\n"
+        f"| proxy hop alone: passthrough minus direct (ms) | {result['proxy_hop_p50_ms']:.3f} "
+        f"| {result['proxy_hop_p99_ms']:.3f} |\n\n"
+        + "".join(
+            f"CPU per request, {name} process: {result.get(f'cpu_ms_per_request_{name}', 0):.3f} ms"
+            "\n"
+            for name in ("router", "passthrough", "echo")
+        )
+        + "\n"
+        f"routed requests/s (one router, {concurrency} in flight): "
+        f"{result['routed_requests_per_s']:.0f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.serve_passthrough:  # child process: the no-routing proxy baseline
         _run(_serve_passthrough(args.serve_passthrough))
         return 0
@@ -281,31 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrency=args.concurrency, cpus=os.cpu_count() or 0,
     )  # fmt: skip
     print(json.dumps(result, indent=2))
-    print(
-        "\n| metric | p50 | p99 |\n|---|---|---|\n"
-        f"| TTFT via router (ms) | {result['ttft_router_p50_ms']:.3f} "
-        f"| {result['ttft_router_p99_ms']:.3f} |\n"
-        f"| TTFT direct (ms) | {result['ttft_direct_p50_ms']:.3f} "
-        f"| {result['ttft_direct_p99_ms']:.3f} |\n"
-        f"| TTFT via a routing-free Python gRPC proxy (ms) "
-        f"| {result['ttft_passthrough_p50_ms']:.3f} | {result['ttft_passthrough_p99_ms']:.3f} |\n"
-        f"| router overhead: TTFT difference (ms) | {result['overhead_p50_ms']:.3f} "
-        f"| {result['overhead_p99_ms']:.3f} |\n"
-        f"| router overhead: arrival to upstream call, router histogram (ms) "
-        f"| {result['router_internal_p50_ms']:.3f} | {result['router_internal_p99_ms']:.3f} |\n"
-        f"| of which the Redis lookup, router histogram (ms) "
-        f"| {result['redis_lookup_p50_ms']:.3f} | {result['redis_lookup_p99_ms']:.3f} |\n"
-        f"| proxy hop alone: passthrough minus direct (ms) | {result['proxy_hop_p50_ms']:.3f} "
-        f"| {result['proxy_hop_p99_ms']:.3f} |\n\n"
-        + "".join(
-            f"CPU per request, {name} process: {result.get(f'cpu_ms_per_request_{name}', 0):.3f} ms"
-            "\n"
-            for name in ("router", "passthrough", "echo")
-        )
-        + "\n"
-        f"routed requests/s (one router, {args.concurrency} in flight): "
-        f"{result['routed_requests_per_s']:.0f}"
-    )
+    _print_table(result, args.concurrency)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
