@@ -1,6 +1,6 @@
 """Measure the load tester's own overhead against the instant echo server.
 
-Starts ``loadtest.echo_server`` in a subprocess (its own process, so the server does not share
+Starts an echo replica (``router/echo_replica.py``, stand-alone) in a subprocess (its own process, so the server does not share
 the client's event loop), then sends Poisson arrivals at each requested rate through the same
 scheduler, client and measurement code as ``prefixmesh loadtest``, and prints the achieved
 request rate and how late requests left compared with their planned times (p50/p99/max).
@@ -34,9 +34,7 @@ def start_echo_subprocess(args: argparse.Namespace) -> tuple[subprocess.Popen[st
         [
             sys.executable,
             "-m",
-            "loadtest.echo_server",
-            "--port",
-            "0",
+            "router.echo_replica",
             "--tokens-per-message",
             str(args.tokens_per_message),
         ],
@@ -44,11 +42,11 @@ def start_echo_subprocess(args: argparse.Namespace) -> tuple[subprocess.Popen[st
         text=True,
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline()  # "echo server on 127.0.0.1:PORT"
-    if not line.startswith("echo server on "):
+    line = proc.stdout.readline()  # "127.0.0.1:PORT" once it serves
+    if not line.startswith("127.0.0.1:"):
         proc.kill()
         raise RuntimeError(f"echo server did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[1].strip()
+    return proc, line.strip()
 
 
 async def measure_rate(target: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:

@@ -1,20 +1,34 @@
-"""An instant, model-free replica for router tests and the router overhead benchmark.
+"""The one echo server: an instant, model-free replica for the router's and the load tester's
+tests and benchmarks.
 
 It speaks the replica's gRPC API and Redis contract (lease, load, block set), generates a
 deterministic token sequence (each token a hash of the three before it, so a resumed request
-continues exactly where a dead one stopped) and reports cached tokens from its own block set.
-Token ``t`` reads ``<t>``; stop strings are matched (and held back) as a real replica does, and
-a resume streams the resumed text past ``resume_text_chars`` first. No torch: it runs inside
-the router's test process.
+continues exactly where a dead one stopped) and reports cached tokens from its own block set,
+block by block and never the last prompt token, as a real replica does. Token ``t`` reads
+``<t>``; stop strings are matched (and held back) as a real replica does, and a resume streams
+the resumed text past ``resume_text_chars`` first. No torch: it runs inside the router's test
+process.
+
+Without Redis (``redis_url=""``) it stands alone as the load tester's target: with
+``serve_cluster`` it also serves a minimal ``Cluster`` service describing itself as a
+one-replica cluster, so the load tester's cluster-delta and ``--compare`` paths run without a
+router. ``tokens_per_message`` batches tokens into fewer messages (the load tester's overhead
+benchmark varies it).
+
+    python -m router.echo_replica --redis URL --count 3      # echo replicas behind a router
+    python -m router.echo_replica --port 50099                # a stand-alone load-test target
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import redis.asyncio as aioredis
@@ -27,7 +41,20 @@ from prefixmesh.stop_strings import StopStringMatcher, unsent_text
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from prefixmesh.tokenizer import Tokenizer
+
 VOCAB = 1000
+
+# gRPC core cancels calls (status CANCELLED, before any handler runs) when too many wait for the
+# Python server to accept them (``grpc.server.max_pending_requests``, grpc/grpc#34782); a starved
+# CPU got there at 500 requests/s. An echo replica is there to measure its clients, so it lets
+# the queue grow instead.
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.server.max_pending_requests", 100_000),
+    ("grpc.server.max_pending_requests_hard_limit", 100_000),
+]
 
 
 def next_token(context: list[int]) -> int:
@@ -54,7 +81,7 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
     """One fake replica on 127.0.0.1; ``kill()`` stops it like ``kill -9`` would (its lease
     stays in Redis until it expires)."""
 
-    redis_url: str
+    redis_url: str = ""  # "": no Redis (a stand-alone load-test target)
     replica_id: str = field(default_factory=lambda: "echo-" + secrets.token_hex(3))
     namespace: str = layout.DEFAULT_NAMESPACE
     model: str = "echo"
@@ -62,11 +89,17 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
     step_delay_s: float = 0.0
     tokenizer_json: bytes = b""
     tokenizer_config_json: bytes = b""
-    tokenizer: object | None = None  # prefixmesh.tokenizer.Tokenizer for text/chat requests
+    tokenizer: Tokenizer | None = None  # for text and chat requests
     received: list[pb.GenerateRequest] = field(default_factory=list)
     cached: set[bytes] = field(default_factory=set)
     running: int = 0
-    port: int = 0
+    port: int = 0  # 0: a free one (set by start)
+    tokens_per_message: int = 1
+    serve_cluster: bool = False  # also serve Cluster, as a one-replica cluster
+    policy: str = "echo"  # what the Cluster service reports (SetPolicy sets it)
+    requests: int = 0  # counters the Cluster service reports (ResetStats zeroes them)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     reject_with: grpc.StatusCode | None = None  # answer every Generate with this error
     lose_final: bool = False  # stream every token, then fail instead of the final message
     fail_after: int = 0  # fail (UNAVAILABLE) after this many tokens of a request not resumed
@@ -75,21 +108,28 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
     async def start(self) -> None:
         self.epoch = secrets.token_hex(4)
         self.server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(self.api_key)] if self.api_key else []
+            interceptors=[ApiKeyInterceptor(self.api_key)] if self.api_key else [],
+            options=SERVER_OPTIONS,
         )
         pb_grpc.add_GeneratorServicer_to_server(self, self.server)
         pb_grpc.add_ReplicaServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if self.serve_cluster:
+            pb_grpc.add_ClusterServicer_to_server(EchoCluster(self), self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self.server.start()
-        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=0.5)
-        self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
-        await self._refresh()
+        self.redis: aioredis.Redis | None = None
+        self._refresher: asyncio.Task[None] | None = None
+        if self.redis_url:
+            self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=0.5)
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+            await self._refresh()
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     async def _refresh(self) -> None:
+        assert self.redis is not None
         ns, rid = self.namespace, self.replica_id
         lease = {
             "address": self.address, "http_address": "", "model": self.model,
@@ -116,19 +156,39 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
 
     async def kill(self) -> None:
         """Die abruptly: streams break, connections are refused, the lease lingers."""
-        self._refresher.cancel()
+        if self._refresher is not None:
+            self._refresher.cancel()
         await self.server.stop(None)
-        await self.redis.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
 
     async def stop(self) -> None:
         """Leave cleanly (lease deleted)."""
-        self._refresher.cancel()
-        try:
-            await self.redis.delete(layout.lease_key(self.replica_id, self.namespace))
-        except Exception:
-            pass
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self.redis is not None:
+            try:
+                await self.redis.delete(layout.lease_key(self.replica_id, self.namespace))
+            except Exception:
+                pass
         await self.server.stop(None)
-        await self.redis.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    def _admit(self, prompt: list[int], context_ids: list[int], salt: str) -> int:
+        """Record a request's blocks; return its cached prompt tokens as a replica counts them:
+        whole leading blocks it held, never the last token of the context (it needs logits)."""
+        hashes = block_hashes(context_ids, self.block_size, self.model, salt or None)
+        usable = (len(context_ids) - 1) // self.block_size
+        hit = 0
+        while hit < usable and hashes[hit] in self.cached:
+            hit += 1
+        self.cached.update(hashes)
+        cached = min(hit * self.block_size, len(prompt))
+        self.requests += 1
+        self.prompt_tokens += len(prompt)
+        self.cached_tokens += cached
+        return cached
 
     # -- Generator ----------------------------------------------------------------------------
 
@@ -139,9 +199,9 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
         if self.tokenizer is None:
             raise ValueError("echo replica without tokenizer: send token_ids")
         if kind == "text":
-            return self.tokenizer.encode(request.text)  # type: ignore[attr-defined]
+            return self.tokenizer.encode(request.text)
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        return self.tokenizer.encode_chat(messages)  # type: ignore[attr-defined]
+        return self.tokenizer.encode_chat(messages)
 
     async def Generate(  # noqa: N802
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -155,11 +215,7 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         resumed = list(request.resume_token_ids)
         context_ids = prompt + resumed
-        hashes = block_hashes(context_ids, self.block_size, self.model, request.cache_salt or None)
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in self.cached:
-            hit += 1
-        self.cached.update(hashes)
+        cached = self._admit(prompt, context_ids, request.cache_salt)
         sp = request.sampling
         max_tokens = requested_max_tokens(sp) - len(resumed)
         n = requested_n(sp)
@@ -179,19 +235,25 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
         self.running += 1
         try:
             out: list[int] = []
+            window = context_ids[-3:]  # the echo model reads the last three tokens
+            ids, text = [], ""  # what the next message carries
             for step in range(max_tokens):
                 if self.step_delay_s:
                     await asyncio.sleep(self.step_delay_s)
-                token = next_token(context_ids + out)
+                token = next_token(window)
+                window = [*window[-2:], token]
                 out.append(token)
-                text, matched = stop.feed(token_text(token))
+                piece, matched = stop.feed(token_text(token))
                 last = matched is not None or step == max_tokens - 1
                 if last and matched is None:
-                    text += stop.flush()
-                text, unsent = unsent + text, ""
+                    piece += stop.flush()
+                ids.append(token)
+                text, unsent = text + unsent + piece, ""
+                if not last and len(ids) < self.tokens_per_message:
+                    continue
                 for index in range(n):  # greedy-like: every sample is the same sequence
                     msg = pb.GenerateResponse(
-                        request_id=rid, index=index, token_ids=[token], text=text,
+                        request_id=rid, index=index, token_ids=ids, text=text,
                         replica_id=self.replica_id,
                     )  # fmt: skip
                     if last and self.lose_final:
@@ -202,8 +264,9 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
                         msg.stop_reason = matched or ""
                         msg.usage.prompt_tokens = len(prompt)
                         msg.usage.completion_tokens = len(out) + len(resumed)
-                        msg.usage.cached_tokens = min(hit * self.block_size, len(prompt) - 1)
+                        msg.usage.cached_tokens = cached
                     yield msg
+                ids, text = [], ""
                 if step + 1 == self.fail_after and not resumed:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "died mid-stream")
                 if last:
@@ -228,35 +291,94 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
         )
 
 
-async def _serve(redis_url: str, count: int, block_size: int, namespace: str) -> None:
+class EchoCluster(pb_grpc.ClusterServicer):
+    """A stand-alone echo replica's ``Cluster`` service: itself as a one-replica cluster."""
+
+    def __init__(self, replica: EchoReplica) -> None:
+        self.replica = replica
+
+    def _state(self) -> pb.ClusterState:
+        r = self.replica
+        info = pb.ReplicaInfo(
+            replica_id=r.replica_id,
+            address=r.address,
+            model=r.model,
+            block_size=r.block_size,
+            requests=r.requests,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            hit_rate=r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
+        )
+        routing = pb.RoutingStats(
+            decisions={"echo": r.requests} if r.requests else {},
+            requests=r.requests,
+            prompt_tokens=r.prompt_tokens,
+            actual_cached_tokens=r.cached_tokens,
+        )
+        return pb.ClusterState(policy=r.policy, replicas=[info], routing=routing)
+
+    async def ListReplicas(self, request: pb.Empty, context) -> pb.ClusterState:  # noqa: N802
+        return self._state()
+
+    async def SetPolicy(self, request: pb.SetPolicyRequest, context) -> pb.ClusterState:  # noqa: N802
+        self.replica.policy = request.policy
+        return self._state()
+
+    async def ResetStats(self, request: pb.Empty, context) -> pb.ClusterState:  # noqa: N802
+        r = self.replica
+        r.requests = r.prompt_tokens = r.cached_tokens = 0
+        return self._state()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    alone = not args.redis  # a load-test target: it describes itself as a cluster
     replicas = [
-        EchoReplica(redis_url, f"echo-{i}", namespace=namespace, block_size=block_size)
-        for i in range(count)
+        EchoReplica(
+            args.redis,
+            args.replica_id or f"echo-{i}",
+            namespace=args.namespace,
+            block_size=args.block_size,
+            step_delay_s=args.token_delay_ms / 1e3,
+            port=args.port if args.count == 1 else 0,
+            tokens_per_message=args.tokens_per_message,
+            serve_cluster=alone,
+        )  # fmt: skip
+        for i in range(args.count)
     ]
     for replica in replicas:
         await replica.start()
-    print(" ".join(r.address for r in replicas), flush=True)
+    print(" ".join(r.address for r in replicas), flush=True)  # started (and registered)
     await asyncio.Event().wait()  # until killed
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m router.echo_replica --redis URL --count N``: echo replicas in one process."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m router.echo_replica")
-    parser.add_argument("--redis", required=True, help="Redis URL to register in")
+    """``python -m router.echo_replica``: echo replicas in one process, until killed."""
+    parser = argparse.ArgumentParser(
+        prog="python -m router.echo_replica",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--redis", default="", help="Redis URL to register in (none: stand alone, with Cluster)"
+    )
     parser.add_argument("--count", type=int, default=1, help="replicas to start")
+    parser.add_argument("--port", type=int, default=0, help="with --count 1 (0: a free port)")
+    parser.add_argument("--replica-id", default="", help="with --count 1 (default: echo-0)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--namespace", default=layout.DEFAULT_NAMESPACE, help="Redis key prefix")
+    parser.add_argument("--tokens-per-message", type=int, default=1)
+    parser.add_argument("--token-delay-ms", type=float, default=0.0, help="before each token")
     args = parser.parse_args(argv)
+    if args.count != 1 and (args.port or args.replica_id):
+        parser.error("--port and --replica-id need --count 1")
     try:
         import uvloop
     except ImportError:  # Windows: the default loop works, only slower
-        asyncio.run(_serve(args.redis, args.count, args.block_size, args.namespace))
+        asyncio.run(_serve(args))
     else:
-        uvloop.run(_serve(args.redis, args.count, args.block_size, args.namespace))
+        uvloop.run(_serve(args))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

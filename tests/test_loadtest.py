@@ -272,14 +272,14 @@ def test_closed_loop_concurrency_and_time_bounds() -> None:
 @pytest.fixture(scope="module")
 def echo_target() -> Iterator[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtest.echo_server", "--port", "0", "--tokens-per-message", "2"],
+        [sys.executable, "-m", "router.echo_replica", "--tokens-per-message", "2"],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         line = proc.stdout.readline() if proc.stdout else ""
-        assert line.startswith("echo server on "), line
-        yield line.rsplit(" ", 1)[1].strip()
+        assert line.startswith("127.0.0.1:"), line  # its address, once it serves
+        yield line.strip()
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -374,7 +374,7 @@ def test_compare_uses_a_fresh_cache_salt_per_policy(echo_target: str, tmp_path: 
 
 def test_loadtest_never_imports_torch() -> None:
     code = (
-        "import sys, loadtest.cli, loadtest.bench, loadtest.echo_server, loadtest.overhead, "
+        "import sys, loadtest.cli, loadtest.bench, loadtest.overhead, "
         "loadtest.make_sample_trace; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
