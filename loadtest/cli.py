@@ -4,7 +4,6 @@ a replica and report latency, throughput, goodput and prefix-cache hit rates."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import os
 import sys
@@ -24,6 +23,7 @@ from loadtest.runner import RunLimits
 from loadtest.slo import parse_slo
 from loadtest.tokens import DEFAULT_MIN_TOKEN_ID, DEFAULT_VOCAB_SIZE
 from loadtest.workload import SAMPLE_TRACE, WORKLOADS, build_workload
+from prefixmesh import event_loop
 
 
 def _target_flags(p: argparse.ArgumentParser) -> None:
@@ -273,23 +273,13 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             await cluster.close()
 
 
-def run_async(coro):  # type: ignore[no-untyped-def]
-    """Run on uvloop when available (lower per-request overhead), else plain asyncio."""
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workload is None:
         args.workload = "trace" if args.trace else "shared-prefix"
     console = Console()
     try:
-        return run_async(_run(args, console))
+        return event_loop.run(_run(args, console))
     except ValueError as e:
         print(f"prefixmesh loadtest: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from loadtest.runner import RunLimits, run_phase
 from loadtest.summary import summarize
 from loadtest.synthetic import RandomSpec, random_requests
 from loadtest.tokens import TokenBlocks
+from prefixmesh import event_loop
 
 
 def start_echo_subprocess(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
@@ -112,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channels", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
-    from loadtest.cli import run_async
 
-    rows = run_async(_main(args))
+    rows = event_loop.run(_main(args))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -17,6 +17,18 @@ from loadtest.request import RequestResult  # noqa: E402
 _METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "end-to-end"))
 
 
+def _finish_axes(ax: Any, legend: bool) -> None:
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend()
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _cdf(ax: Any, values_s: list[float], label: str | None = None) -> None:
     if not values_s:
         return
@@ -37,12 +49,8 @@ def plot_latency_cdfs(runs: dict[str, list[RequestResult]], path: Path) -> None:
         ax.set_title(f"{title} CDF")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        if len(runs) > 1:
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        _finish_axes(ax, legend=len(runs) > 1)
+    _save(fig, path)
 
 
 def plot_hit_rates(summaries: dict[str, dict[str, Any]], path: Path) -> None:
@@ -65,9 +73,7 @@ def plot_hit_rates(summaries: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("prefix hit rate")
     ax.set_ylim(0, 1)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_throughput(runs: dict[str, list[RequestResult]], path: Path) -> None:
@@ -97,12 +103,8 @@ def plot_throughput(runs: dict[str, list[RequestResult]], path: Path) -> None:
     for ax in (ax_req, ax_tok):
         ax.set_xlabel(f"s since first request ({bin_s:.2g} s bins)")
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        if len(runs) > 1:
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        _finish_axes(ax, legend=len(runs) > 1)
+    _save(fig, path)
 
 
 def write_plots(

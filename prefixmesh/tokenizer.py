@@ -89,7 +89,7 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             file = folder / name
             if file.is_file():
-                extra |= set(_as_ids(json.loads(file.read_bytes()).get("eos_token_id")))
+                extra |= set(as_token_ids(json.loads(file.read_bytes()).get("eos_token_id")))
         return cls(tokenizer_json, json.dumps(config).encode("utf-8"), extra)
 
     # -- encoding -------------------------------------------------------------------------
@@ -188,7 +188,8 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _as_ids(value: Any) -> list[int]:
+def as_token_ids(value: Any) -> list[int]:
+    """A config's ``eos_token_id``-style value (None, one id or a list) as a list of ids."""
     if value is None:
         return []
     if isinstance(value, int):

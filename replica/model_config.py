@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prefixmesh.tokenizer import as_token_ids
+
 if TYPE_CHECKING:
     import torch
 
@@ -81,9 +83,9 @@ class ModelConfig:
         sliding_window = config.get("sliding_window")
         if model_type == "qwen2" and not config.get("use_sliding_window", False):
             sliding_window = None
-        eos = _as_ids(config.get("eos_token_id"))
+        eos = as_token_ids(config.get("eos_token_id"))
         if generation_config:
-            eos += [i for i in _as_ids(generation_config.get("eos_token_id")) if i not in eos]
+            eos += [i for i in as_token_ids(generation_config.get("eos_token_id")) if i not in eos]
         bos = config.get("bos_token_id")
         if bos is None and generation_config:
             bos = generation_config.get("bos_token_id")
@@ -108,14 +110,6 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
         )
-
-
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
 
 
 def _rope_fields(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import grpc
 
+from prefixmesh import event_loop
 from prefixmesh.cli.redis_server import EmbeddedRedis, free_port
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -250,15 +251,6 @@ async def _measure(
     }
 
 
-def _run(coro) -> None:  # type: ignore[no-untyped-def]
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
-
-
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
 
@@ -313,7 +305,7 @@ def _print_table(result: dict[str, float], concurrency: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.serve_passthrough:  # child process: the no-routing proxy baseline
-        _run(_serve_passthrough(args.serve_passthrough))
+        event_loop.run(_serve_passthrough(args.serve_passthrough))
         return 0
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import grpc
 import redis.asyncio as aioredis
 
+from prefixmesh import event_loop
 from prefixmesh import redis_layout as layout
 from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
@@ -371,12 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.count != 1 and (args.port or args.replica_id):
         parser.error("--port and --replica-id need --count 1")
-    try:
-        import uvloop
-    except ImportError:  # Windows: the default loop works, only slower
-        asyncio.run(_serve(args))
-    else:
-        uvloop.run(_serve(args))
+    event_loop.run(_serve(args))
     return 0
 
 

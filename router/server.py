@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixmesh import event_loop
 from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.openai.doors import loopback, open_front_door
 from prefixmesh.openai.http import FrontDoor, OpenAIHttpServer
@@ -227,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    try:
-        import uvloop
-    except ImportError:  # Windows: the default loop works, only slower
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+    event_loop.run(serve(config))
     return 0
 
 

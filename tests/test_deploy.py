@@ -18,10 +18,9 @@ import grpc
 import pytest
 import tomllib
 import yaml
-from helpers import free_port
+from helpers import Proc, free_port, stop_all
 from packaging.requirements import Requirement
 
-from prefixmesh.cli.procs import wait_serving
 from prefixmesh.cli.redis_server import find_redis_server, wait_for_redis
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -164,7 +163,7 @@ class LocalCompose:
         self.shell = shell or {}
         self.redis_port = free_port()
         self.router_port = 0
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Proc] = []
 
     def _argv(self, command: list[str]) -> list[str]:
         head = {
@@ -197,24 +196,19 @@ class LocalCompose:
             env[key] = value
         return env, port
 
-    def start(self, name: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    def start(self, name: str) -> tuple[Proc, int]:
+        """One service as a process with exactly the compose environment (nothing inherited)."""
         env, port = self._env(self.services[name])
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                self._argv(self.services[name]["command"]), env=env, stdout=out, stderr=out
-            )
+        argv = self._argv(self.services[name]["command"])
+        proc = Proc(f"{name}-{len(self.procs)}", argv, env, grace_s=30.0, inherit_env=False)
         self.procs.append(proc)
         return proc, port
 
+    def logs(self) -> str:
+        return "\n".join(p.logs() for p in self.procs)
+
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(self.procs)
 
 
 @pytest.mark.cluster
@@ -226,24 +220,23 @@ def test_compose_services_serve_a_request_as_local_processes(
     key = "sk-compose"  # as `PREFIXMESH_API_KEY=sk-compose docker compose up` would set it
     md = (("authorization", f"Bearer {key}"),)
     local = LocalCompose(services, tiny_model_dir, tmp_path / "cache", {"PREFIXMESH_API_KEY": key})
-    log = tmp_path / "compose.log"
     try:
-        local.start("redis", log)
-        wait_for_redis("127.0.0.1", local.redis_port)
-        model, _ = local.start("model", log)
-        assert model.wait(timeout=300) == 0, log.read_text()
-        replicas = [local.start("replica", log) for _ in range(2)]
+        redis_proc, _ = local.start("redis")
+        wait_for_redis("127.0.0.1", local.redis_port, alive=redis_proc.alive)
+        model, _ = local.start("model")
+        assert model.proc.wait(timeout=300) == 0, model.logs()
+        replicas = [local.start("replica") for _ in range(2)]
         for proc, port in replicas:
-            wait_serving(f"127.0.0.1:{port}", 300, lambda p=proc: p.poll() is None)
+            proc.wait_serving(f"127.0.0.1:{port}", 300)
             with (
                 grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
                 pytest.raises(grpc.RpcError) as denied,
             ):
                 pb_grpc.ReplicaStub(channel).GetStats(pb.Empty(), timeout=5)  # keyed: no key
             assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        router, router_port = local.start("router", log)
+        router, router_port = local.start("router")
         address = f"127.0.0.1:{router_port}"
-        wait_serving(address, 120, lambda: router.poll() is None)
+        router.wait_serving(address, 120)
         with grpc.insecure_channel(address) as channel:
             deadline, listed = time.monotonic() + 30, []
             while len(listed) < 2 and time.monotonic() < deadline:
@@ -252,7 +245,7 @@ def test_compose_services_serve_a_request_as_local_processes(
                 )
                 listed = [r.replica_id for r in state.replicas]
                 time.sleep(0.2)
-            assert len(listed) == 2, log.read_text()[-3000:]
+            assert len(listed) == 2, local.logs()[-3000:]
             request = pb.GenerateRequest(
                 text="hello from compose",
                 sampling=pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),

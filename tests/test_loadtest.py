@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import Proc, free_port, wait_until
 
 from loadtest.arrivals import ArrivalSpec, schedule
 from loadtest.best_hit_rate import best_hit_rate
@@ -271,18 +272,14 @@ def test_closed_loop_concurrency_and_time_bounds() -> None:
 
 @pytest.fixture(scope="module")
 def echo_target() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router.echo_replica", "--tokens-per-message", "2"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    address = f"127.0.0.1:{free_port()}"
+    echo = Proc("echo", [sys.executable, "-m", "router.echo_replica", "--tokens-per-message", "2",
+                         "--port", address.rsplit(":", 1)[1]])  # fmt: skip
     try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert line.startswith("127.0.0.1:"), line  # its address, once it serves
-        yield line.strip()
+        wait_until([echo], lambda: echo.logs() == address, "echo replica", 30.0)  # it serves
+        yield address
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        echo.stop()
 
 
 def test_trace_replay_end_to_end(echo_target: str, tmp_path: Path) -> None:

@@ -4,15 +4,12 @@ all as separate processes over loopback gRPC."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from helpers import free_port, start_redis, stop_processes
+from helpers import Proc, free_port, start_redis, stop_all, wait_until
 
 from loadtest.cli import main as loadtest_main
 from loadtest.workload import SAMPLE_TRACE
@@ -25,47 +22,35 @@ NUM_REPLICAS = 3
 STARTUP_TIMEOUT_S = 120.0
 
 
-def _wait_for_replicas(router: str, procs: list[subprocess.Popen[bytes]]) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+def _lists_every_replica(router: str) -> bool:
     with grpc.insecure_channel(router) as channel:
-        stub = pb_grpc.ClusterStub(channel)
-        while time.monotonic() < deadline:
-            dead = [p.args for p in procs if p.poll() is not None]
-            assert not dead, f"cluster process exited: {dead}"
-            try:
-                state = stub.ListReplicas(pb.Empty(), timeout=2.0)
-                if len(state.replicas) == NUM_REPLICAS and all(
-                    r.block_size for r in state.replicas
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"router {router} did not see {NUM_REPLICAS} replicas")
+        state = pb_grpc.ClusterStub(channel).ListReplicas(pb.Empty(), timeout=2.0)
+    return len(state.replicas) == NUM_REPLICAS and all(r.block_size for r in state.replicas)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[tuple[str, list[str]]]:
     """(router address, replica addresses)."""
     redis = start_redis()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     replicas = [f"127.0.0.1:{free_port()}" for _ in range(NUM_REPLICAS)]
-    cli = [sys.executable, "-m", "prefixmesh.cli"]
     try:
         for i, address in enumerate(replicas):
-            procs.append(subprocess.Popen([
-                *cli, "replica", "--port", address.rsplit(":", 1)[1], "--redis", redis.url,
+            procs.append(Proc.cli(f"r{i}", *[
+                "replica", "--port", address.rsplit(":", 1)[1], "--redis", redis.url,
                 "--model", str(tiny_model_dir), "--replica-id", f"r{i}", "--threads", "1",
                 "--num-blocks", "512",
             ]))  # fmt: skip
         router = f"127.0.0.1:{free_port()}"
-        procs.append(subprocess.Popen([
-            *cli, "router", "--port", router.rsplit(":", 1)[1], "--redis", redis.url,
+        procs.append(Proc.cli("router", *[
+            "router", "--port", router.rsplit(":", 1)[1], "--redis", redis.url,
         ]))  # fmt: skip
-        _wait_for_replicas(router, procs)
+        wait_until(
+            procs, lambda: _lists_every_replica(router), "the router's replicas", STARTUP_TIMEOUT_S
+        )
         yield router, replicas
     finally:
-        stop_processes(procs)
+        stop_all(procs)
         redis.stop()
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from aiohttp import web
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import free_port, start_redis, stop_processes
+from helpers import Proc, free_port, start_redis, stop_all, wait_until
 
 from loadtest.cli import main as loadtest_main
 from loadtest.clients import make_client, protocol_of
@@ -224,61 +221,33 @@ def test_cli_http_target_without_cluster(
 # -- cluster tier: Redis, one tiny-model replica and a router, both serving HTTP -----------
 
 
-def _wait_serving(address: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            dead = [p.args for p in procs if p.poll() is not None]
-            assert not dead, f"cluster process exited: {dead}"
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError(f"{address} not SERVING after {timeout}s")
-
-
-def _wait_for_replica(router: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    """Until the router's ListReplicas shows the replica with its block size."""
-    deadline = time.monotonic() + timeout
+def _lists_the_replica(router: str) -> bool:
+    """The router's ListReplicas shows the replica with its block size."""
     with grpc.insecure_channel(router) as channel:
-        stub = pb_grpc.ClusterStub(channel)
-        while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), "a cluster process exited"
-            try:
-                state = stub.ListReplicas(
-                    pb.Empty(), timeout=2.0, metadata=(("authorization", f"Bearer {KEY}"),)
-                )
-                if [r.block_size > 0 for r in state.replicas] == [True]:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError(f"router {router} did not list the replica")
+        state = pb_grpc.ClusterStub(channel).ListReplicas(
+            pb.Empty(), timeout=2.0, metadata=(("authorization", f"Bearer {KEY}"),)
+        )
+    return [r.block_size > 0 for r in state.replicas] == [True]
 
 
 @pytest.mark.cluster
 def test_loadtest_over_http_against_router(tiny_model_dir: Path, tmp_path: Path) -> None:
     redis = start_redis()
-    procs: list[subprocess.Popen[bytes]] = []
-    cli = [sys.executable, "-m", "prefixmesh.cli"]
+    procs: list[Proc] = []
     rg, rh, qg, qh = (free_port() for _ in range(4))
     try:
-        procs.append(subprocess.Popen([
-            *cli, "replica", "--port", str(rg), "--http-port", str(rh), "--redis", redis.url,
+        procs.append(Proc.cli("h0", *[
+            "replica", "--port", str(rg), "--http-port", str(rh), "--redis", redis.url,
             "--model", str(tiny_model_dir), "--replica-id", "h0", "--threads", "1",
             "--num-blocks", "256",
         ]))  # fmt: skip
-        procs.append(subprocess.Popen([
-            *cli, "router", "--port", str(qg), "--http-port", str(qh), "--redis", redis.url,
+        procs.append(Proc.cli("router", *[
+            "router", "--port", str(qg), "--http-port", str(qh), "--redis", redis.url,
             "--api-key", KEY,
         ]))  # fmt: skip
-        _wait_serving(f"127.0.0.1:{rg}", procs, 120.0)
-        _wait_serving(f"127.0.0.1:{qg}", procs, 60.0)
-        _wait_for_replica(f"127.0.0.1:{qg}", procs, 60.0)
+        procs[0].wait_serving(f"127.0.0.1:{rg}", 120.0)
+        procs[1].wait_serving(f"127.0.0.1:{qg}", 60.0)
+        wait_until(procs, lambda: _lists_the_replica(f"127.0.0.1:{qg}"), "router", 60.0)
         vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
         rc = loadtest_main([
             "--target", f"http://127.0.0.1:{qh}", "--cluster", f"127.0.0.1:{qg}",
@@ -288,7 +257,7 @@ def test_loadtest_over_http_against_router(tiny_model_dir: Path, tmp_path: Path)
         ])  # fmt: skip
         assert rc == 0
     finally:
-        stop_processes(procs)
+        stop_all(procs)
         redis.stop()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["requests"]["sent"] == summary["requests"]["ok"] == 8

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +19,7 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import free_port, start_redis
+from helpers import Proc, free_port, start_redis, stop_all, wait_until
 
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -31,35 +29,6 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-key"
 NS = "oai"
-
-
-@dataclass
-class Proc:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: object
-
-    @classmethod
-    def start(cls, name: str, argv: list[str]) -> Proc:
-        log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixmesh.cli", *argv],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        return cls(name, proc, log)
-
-    def logs(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-3000:]  # type: ignore[attr-defined]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        Path(self.log.name).unlink(missing_ok=True)  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -81,20 +50,6 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def _wait(procs: list[Proc], ready, what: str, timeout: float = 180.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [p for p in procs if p.proc.poll() is not None]
-        assert not dead, f"{dead[0].name} exited:\n{dead[0].logs()}"
-        try:
-            if ready():
-                return
-        except (OSError, grpc.RpcError):
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{what} not ready:\n" + "\n".join(p.logs() for p in procs))
-
-
 def _router_routes(router_http: str) -> bool:
     """Ready when the router lists the replica and has its tokenizer (models known)."""
     status, body = _get(f"http://{router_http}/v1/models", {"Authorization": f"Bearer {KEY}"})
@@ -107,23 +62,22 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
     procs: list[Proc] = []
     try:
         rg, rh, qg, qh = (free_port() for _ in range(4))
-        procs.append(Proc.start("replica", [
+        procs.append(Proc.cli("replica", *[
             "replica", "--model", str(tiny_model_dir), "--port", str(rg), "--http-port", str(rh),
             "--redis", redis.url, "--namespace", NS, "--replica-id", "oai-0", "--threads", "1",
             "--dtype", "float32", "--max-model-len", "512", "--num-blocks", "128",
             "--api-key", KEY,
         ]))  # fmt: skip
-        procs.append(Proc.start("router", [
+        procs.append(Proc.cli("router", *[
             "router", "--port", str(qg), "--http-port", str(qh), "--redis", redis.url,
             "--namespace", NS, "--api-key", KEY,
         ]))  # fmt: skip
-        _wait(procs, lambda: _get(f"http://127.0.0.1:{rh}/health")[0] == 200, "replica")
-        _wait(procs, lambda: _router_routes(f"127.0.0.1:{qh}"), "router")
+        wait_until(procs, lambda: _get(f"http://127.0.0.1:{rh}/health")[0] == 200, "replica")
+        wait_until(procs, lambda: _router_routes(f"127.0.0.1:{qh}"), "router")
         yield Cluster(f"127.0.0.1:{qh}", f"127.0.0.1:{qg}", f"127.0.0.1:{rh}",
                       f"127.0.0.1:{rg}", str(tiny_model_dir), redis.url)  # fmt: skip
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
         redis.stop()
 
 
@@ -304,7 +258,7 @@ def test_client_disconnect_cancels_the_request(cluster: Cluster):
 def test_router_without_the_replicas_key_says_so(cluster: Cluster):
     """A second router on the same Redis but with no key: the keyed replica refuses it."""
     port = free_port()
-    router = Proc.start("router-nokey", [
+    router = Proc.cli("router-nokey", *[
         "router", "--port", str(port), "--redis", cluster.redis_url, "--namespace", NS,
     ])  # fmt: skip
     try:
@@ -314,7 +268,7 @@ def test_router_without_the_replicas_key_says_so(cluster: Cluster):
             def listed() -> bool:
                 return bool(cluster_stub.ListReplicas(pb.Empty(), timeout=5).replicas)
 
-            _wait([router], listed, "router")
+            wait_until([router], listed, "router")
             request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=1))
             for _ in range(2):
                 with pytest.raises(grpc.RpcError) as refused:

@@ -8,8 +8,8 @@ import json
 
 import openai
 import pytest
-from helpers import free_port, start_redis
-from test_openai_http import Proc, _get, _wait
+from helpers import Proc, free_port, start_redis, stop_all, wait_until
+from test_openai_http import _get
 
 from prefixmesh.openai.http import REPLICA_HEADER
 
@@ -31,17 +31,17 @@ def test_five_turn_chat_sticks_and_caches(smollm2_files) -> None:
     procs: list[Proc] = []
     try:
         for i in range(2):
-            procs.append(Proc.start(f"smol-{i}", [
+            procs.append(Proc.cli(f"smol-{i}", *[
                 "replica", "--model", str(smollm2_files.path), "--port", str(free_port()),
                 "--redis", redis.url, "--namespace", "oais", "--replica-id", f"smol-{i}",
                 "--threads", "1", "--max-model-len", "2048",
             ]))  # fmt: skip
         http = f"127.0.0.1:{free_port()}"
-        procs.append(Proc.start("router", [
+        procs.append(Proc.cli("router", *[
             "router", "--port", str(free_port()), "--http-port", http.rsplit(":", 1)[1],
             "--redis", redis.url, "--namespace", "oais",
         ]))  # fmt: skip
-        _wait(procs, lambda: _health_replicas(http) == 2 and _models(http) == 1, "router", 600)
+        wait_until(procs, lambda: _health_replicas(http) == 2 and _models(http) == 1, "router", 600)
 
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0,
                                timeout=300)  # fmt: skip
@@ -65,6 +65,5 @@ def test_five_turn_chat_sticks_and_caches(smollm2_files) -> None:
         assert all(b > a for a, b in zip(cached, cached[1:], strict=False)), cached
         assert all(c <= p for c, p in zip(cached, prompt, strict=True))
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
         redis.stop()

@@ -9,11 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +20,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import free_port, start_redis
+from helpers import Proc, free_port, start_redis
 
 from prefixmesh import redis_layout as layout
 from prefixmesh.tokenizer import Tokenizer
@@ -33,7 +29,6 @@ from proto import prefixmesh_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parent.parent
 NS = "pmtest"
 NUM_BLOCKS = 48
 MAX_QUEUE = 32
@@ -68,8 +63,9 @@ class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 
 
 class ReplicaProcess:
-    """``prefixmesh replica`` as a subprocess, with stubs once its health says SERVING; with
-    ``api_key`` it gets ``PREFIXMESH_API_KEY`` and its stubs send the key."""
+    """``prefixmesh replica`` as a subprocess (tests/helpers.py ``Proc``), with stubs once its
+    health says SERVING; with ``api_key`` it gets ``PREFIXMESH_API_KEY`` and its stubs send
+    the key."""
 
     def __init__(
         self, model: str, redis_url: str, *extra: str, replica_id: str, api_key: str = ""
@@ -77,17 +73,14 @@ class ReplicaProcess:
         self.port = free_port()
         self.metrics_port = free_port()
         self.replica_id = replica_id
-        self.log = tempfile.NamedTemporaryFile(prefix="replica-", suffix=".log", delete=False)
-        cmd = [
-            sys.executable, "-m", "prefixmesh.cli", "replica", "--model", model,
+        self.child = Proc.cli(
+            replica_id, "replica", "--model", model,
             "--port", str(self.port), "--redis", redis_url, "--namespace", NS,
             "--replica-id", replica_id, "--metrics-port", str(self.metrics_port),
             "--threads", "1", "--dtype", "float32", *extra,
-        ]  # fmt: skip
-        env = {**os.environ, "PREFIXMESH_API_KEY": api_key}
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env
-        )
+            env={"PREFIXMESH_API_KEY": api_key},
+        )  # fmt: skip
+        self.proc = self.child.proc
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         # For the aio channels some tests open themselves.
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -96,39 +89,18 @@ class ReplicaProcess:
         self.gen = pb_grpc.GeneratorStub(self.channel)
         self.admin = pb_grpc.ReplicaStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self._wait_serving()
-
-    def _wait_serving(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"replica exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                status = self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"replica not SERVING after {timeout}s:\n{self.logs()}")
+        try:  # health is not keyed, so the plain wait works with or without api_key
+            self.child.wait_serving(f"127.0.0.1:{self.port}", timeout=180.0)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def logs(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
+        return self.child.logs(4000)
 
     def stop(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        if os.environ.get("PM_KEEP_LOGS"):
-            print(self.logs())
-        os.unlink(self.log.name)
+        self.child.stop()
 
 
 @pytest.fixture(scope="module")
@@ -549,7 +521,7 @@ def test_api_key_guards_every_call_but_health(replica: ReplicaProcess):
 
 
 def _model_dir(rep: ReplicaProcess) -> str:
-    args = rep.proc.args
+    args = list(rep.proc.args)
     return args[args.index("--model") + 1]
 
 

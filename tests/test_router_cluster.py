@@ -10,26 +10,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from helpers import RedisHandle, free_port, start_redis
+from helpers import EmbeddedRedis, Proc, free_port, start_redis
 
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parent.parent
 NS = "rtc"
 EPSILON, SLACK = 0.5, 256
 # Small KV pools: each replica holds about three of the eight system prompts, so scattering
@@ -41,36 +37,9 @@ WORDS = (
 ).split()
 
 
-@dataclass
-class Proc:
-    """A child process with its log in a temp file."""
-
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen[bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix=f"{self.name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def logs(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-3000:]
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
-
-
 def start_replica(model: str, redis_url: str, replica_id: str, *extra: str) -> Proc:
-    return Proc(replica_id, [
-        sys.executable, "-m", "prefixmesh.cli", "replica", "--model", model,
+    return Proc.cli(replica_id, *[
+        "replica", "--model", model,
         "--port", str(free_port()), "--redis", redis_url, "--namespace", NS,
         "--replica-id", replica_id, "--threads", "1", "--dtype", "float32",
         "--block-size", "16", *extra,
@@ -79,8 +48,8 @@ def start_replica(model: str, redis_url: str, replica_id: str, *extra: str) -> P
 
 def start_router(redis_url: str, *extra: str) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc(f"router-{port}", [
-        sys.executable, "-m", "prefixmesh.cli", "router", "--port", str(port),
+    proc = Proc.cli(f"router-{port}", *[
+        "router", "--port", str(port),
         "--redis", redis_url, "--namespace", NS, "--metrics-port", str(free_port()),
         "--balance-epsilon", str(EPSILON), "--balance-slack-tokens", str(SLACK), *extra,
     ])  # fmt: skip
@@ -115,7 +84,7 @@ class Client:
         """Until the router lists ``replicas`` replicas and routes with their tokenizer."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            dead = [p.name for p in procs if p.proc.poll() is not None]
+            dead = [p.name for p in procs if not p.alive()]
             assert not dead, f"exited: {dead}\n" + "\n".join(p.logs() for p in procs)
             try:
                 if len(self.state().replicas) == replicas:
@@ -135,7 +104,7 @@ class Client:
 
 @dataclass
 class TinyCluster:
-    redis: RedisHandle
+    redis: EmbeddedRedis
     replicas: dict[str, Proc]
     router: Proc
     client: Client

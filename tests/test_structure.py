@@ -118,6 +118,41 @@ def test_the_import_graph_sees_real_edges() -> None:
     assert "prefixmesh.hashing" in graph["router.index"]
 
 
+# The map of docs/design.md: which part of the tree may import which (besides itself).
+ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "proto": set(),
+    "kernels": set(),
+    "prefixmesh": {"proto"},  # the shared library (torch-free)
+    "prefixmesh.openai": {"prefixmesh", "proto"},
+    "prefixmesh.cli": {"prefixmesh", "proto"},  # commands are imported by name, lazily
+    "replica": {"prefixmesh", "kernels"},  # the engine: no grpc, no Redis
+    "replica.server": {"replica", "prefixmesh", "prefixmesh.openai", "proto"},
+    "router": {"prefixmesh", "prefixmesh.openai", "prefixmesh.cli", "proto"},  # no torch
+    "loadtest": {"prefixmesh", "proto"},
+}
+
+
+def part_of(module: str) -> str:
+    """The part of the map a module belongs to (the longest matching prefix)."""
+    parts = module.split(".")
+    for n in (2, 1):
+        name = ".".join(parts[:n])
+        if name in ALLOWED_IMPORTS:
+            return name
+    raise KeyError(module)
+
+
+def test_every_part_imports_only_what_the_map_allows() -> None:
+    wrong = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if part_of(target) != part_of(module)
+        and part_of(target) not in ALLOWED_IMPORTS[part_of(module)]
+    )
+    assert not wrong, "imports outside docs/design.md's map:\n" + "\n".join(wrong)
+
+
 def test_no_import_circles() -> None:
     found = cycles(import_graph())
     assert not found, "import circles (break each by moving what both sides need):\n" + "\n".join(

@@ -43,13 +43,15 @@ def _die_with_parent() -> None:
 @dataclass(frozen=True, slots=True)
 class ProcessSpec:
     """What to run: ``critical`` children (router, Redis) take the cluster down when they die
-    and are not restarted. ``env`` is set on top of the supervisor's own environment; it may
-    hold secrets (an API key stays out of ``argv``, which is logged and shown by ``ps``)."""
+    and are not restarted. ``env`` is set on top of the supervisor's own environment (or, with
+    ``inherit_env=False``, is the whole environment); it may hold secrets (an API key stays out
+    of ``argv``, which is logged and shown by ``ps``)."""
 
     name: str
     argv: Sequence[str]
     env: dict[str, str] | None = field(default=None, repr=False)
     critical: bool = False
+    inherit_env: bool = True
 
 
 @dataclass(slots=True)
@@ -107,7 +109,7 @@ class Supervisor:
         self.sink.line("up", text)
 
     def start(self, spec: ProcessSpec, restarts: int = 0) -> Child:
-        env = {**os.environ, **(spec.env or {})}
+        env = {**(os.environ if spec.inherit_env else {}), **(spec.env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")  # so log lines arrive as they are written
         proc = subprocess.Popen(
             list(spec.argv),

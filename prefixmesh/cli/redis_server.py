@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,10 +60,15 @@ def redis_command(port: int, host: str = "127.0.0.1", binary: str | None = None)
     ]  # fmt: skip
 
 
-def wait_for_redis(host: str, port: int, timeout_s: float = 10.0) -> None:
-    """Block until Redis answers PING; raise TimeoutError otherwise."""
+def wait_for_redis(
+    host: str, port: int, timeout_s: float = 10.0, alive: Callable[[], bool] = lambda: True
+) -> None:
+    """Block until Redis answers PING; raise TimeoutError otherwise, or RuntimeError as soon as
+    ``alive()`` says the server process exited."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if not alive():
+            raise RuntimeError(f"redis-server for {host}:{port} exited")
         try:
             with socket.create_connection((host, port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
@@ -77,7 +83,8 @@ def wait_for_redis(host: str, port: int, timeout_s: float = 10.0) -> None:
 
 @dataclass
 class EmbeddedRedis:
-    """A throwaway redis-server on a free loopback port (tests and scripts).
+    """A throwaway redis-server on a free loopback port (tests and scripts). ``stop`` then
+    ``start`` brings it back, empty, on the same port (``restart``): tests of Redis outages.
 
     ``prefixmesh up`` runs the same command under its supervisor instead, so its logs are
     prefixed like every other child's.
@@ -91,19 +98,30 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        if self.running:
+            return self
         self.port = self.port or free_port(self.host)
-        self.proc = subprocess.Popen(
+        proc = self.proc = subprocess.Popen(
             redis_command(self.port, self.host),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         try:
-            wait_for_redis(self.host, self.port, timeout_s)
-        except TimeoutError:
+            wait_for_redis(self.host, self.port, timeout_s, alive=lambda: proc.poll() is None)
+        except (TimeoutError, RuntimeError):
             self.stop()
             raise
         return self
+
+    def restart(self) -> None:
+        """Stop and start again on the same port (all data is lost: no persistence)."""
+        self.stop()
+        self.start()
 
     def stop(self) -> None:
         if self.proc is None:

@@ -21,13 +21,13 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixmesh import event_loop
 from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
@@ -266,22 +266,13 @@ async def serve(config: ServerConfig) -> None:
     log.info("replica %s stopped", server.replica_id)
 
 
-def _run(coro: Coroutine[Any, Any, None]) -> None:
-    try:
-        import uvloop
-    except ImportError:  # Windows: the default loop works, only slower
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
-
-
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    _run(serve(config))
+    event_loop.run(serve(config))
     return 0
 
 
