@@ -9,11 +9,14 @@ Each server owns its own ``CollectorRegistry``: several replicas can live in one
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from replica.engine import EngineStats
 
 PREFIX = "prefixmesh"
 
@@ -27,7 +30,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 class _EngineStatsCollector(Collector):
     """Turns the engine's cumulative stats snapshot into Prometheus samples at scrape time."""
 
-    def __init__(self, stats: Callable[[], Any | None], labels: dict[str, str]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], labels: dict[str, str]) -> None:
         self._stats = stats
         self._labels = labels
 
@@ -78,7 +81,9 @@ class _EngineStatsCollector(Collector):
 class ReplicaMetrics:
     """One replica's metrics in its own registry; ``serve(port)`` exposes ``/metrics``."""
 
-    def __init__(self, stats: Callable[[], Any | None], model: str, replica_id: str) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats | None], model: str, replica_id: str
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = {"model": model, "replica": replica_id}
         names, values = list(labels), list(labels.values())

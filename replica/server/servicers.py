@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -26,6 +26,8 @@ from replica.server.request_mapping import MappedRequest, engine_request, respon
 
 if TYPE_CHECKING:
     from replica.engine import EngineStats, LLMEngine
+
+Ctx = grpc.aio.ServicerContext  # every servicer method gets one
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +155,10 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         self.model = model
         self.epoch = epoch  # the Redis lease's epoch ("" without Redis)
 
-    async def GetLoad(self, request: pb.Empty, context: Any) -> pb.ReplicaLoad:  # noqa: N802
+    async def GetLoad(self, request: pb.Empty, context: Ctx) -> pb.ReplicaLoad:  # noqa: N802
         return load_message(self.loop.stats, self.model.replica_id)
 
-    async def GetStats(self, request: pb.Empty, context: Any) -> pb.ReplicaStats:  # noqa: N802
+    async def GetStats(self, request: pb.Empty, context: Ctx) -> pb.ReplicaStats:  # noqa: N802
         s, model = self.loop.stats, self.model
         return pb.ReplicaStats(
             load=load_message(s, model.replica_id),
@@ -173,7 +175,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             cached_blocks=s.cached_blocks,
         )
 
-    async def GetModelInfo(self, request: pb.Empty, context: Any) -> pb.ModelInfo:  # noqa: N802
+    async def GetModelInfo(self, request: pb.Empty, context: Ctx) -> pb.ModelInfo:  # noqa: N802
         model = self.model
         return pb.ModelInfo(
             model=model.model_id,
@@ -185,7 +187,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             replica_id=model.replica_id,
         )
 
-    async def GetCacheState(self, request: pb.Empty, context: Any) -> pb.CacheState:  # noqa: N802
+    async def GetCacheState(self, request: pb.Empty, context: Ctx) -> pb.CacheState:  # noqa: N802
         def inspect(engine: LLMEngine) -> tuple[set[bytes], str, EngineStats]:
             try:
                 engine.check_integrity()
