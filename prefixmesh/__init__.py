@@ -1,7 +1,9 @@
 """prefixmesh: a multi-replica LLM serving cluster with a KV-cache-aware router.
 
-This package holds the torch-free pieces shared by router and replica (block hashing, the Redis
-layout, the tokenizer) and the ``prefixmesh`` command line.
+Its root is the torch-free library shared by router, replica and load tester (block hashing,
+the Redis layout, the tokenizer, stop strings, API keys, settings, request defaults, the event
+loop runner); ``prefixmesh.openai`` is the OpenAI HTTP front door and ``prefixmesh.cli`` the
+``prefixmesh`` command line. docs/design.md has the map of what may import what.
 """
 
 __version__ = "0.1.0"

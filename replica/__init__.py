@@ -1,5 +1,6 @@
-"""The replica: its engine (continuous batching over a paged KV cache with prefix caching) and,
-in ``replica.server``, its gRPC server. ``from replica import LLM, SamplingParams``."""
+"""The replica: its engine (continuous batching over a paged KV cache with prefix caching) at
+this package's root and, in the ``replica.server`` subpackage, its gRPC server.
+``from replica import LLM, SamplingParams``."""
 
 from replica.sampling_params import SamplingParams
 

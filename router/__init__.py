@@ -5,5 +5,6 @@ Modules: ``config`` (flags/env), ``discovery`` (replica view from Redis leases),
 connection), ``prompt`` (token ids and block hashes), ``policy`` (routing policies),
 ``routing`` (lookup and decide), ``forward`` (streaming with retry and failover), ``metrics``
 (Prometheus + Cluster statistics), ``server`` (gRPC servicers, ``main``), ``bench`` (router
-overhead benchmark), ``echo_replica`` (a model-free replica for tests and the benchmark).
+overhead benchmark), ``echo_replica`` (the one model-free echo server: a replica for the
+router's tests and benchmark, and the load tester's stand-alone target).
 """
