@@ -67,7 +67,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.metrics = metrics
 
     async def Generate(  # noqa: N802 - gRPC method name
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: Ctx
     ) -> AsyncIterator[pb.GenerateResponse]:
         admission, loop = self.admission, self.loop
         arrival = time.monotonic()
@@ -113,7 +113,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         req: MappedRequest,
         client_id: str,
         arrival: float,
-        context: grpc.aio.ServicerContext,
+        context: Ctx,
     ) -> AsyncIterator[pb.GenerateResponse]:
         metrics, replica_id = self.metrics, self.model.replica_id
         remaining = req.engine.params.n
