@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from prefixmesh import generate
+from prefixmesh.cli import generate
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

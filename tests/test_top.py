@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from prefixmesh import top
+from prefixmesh.cli import top
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

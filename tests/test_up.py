@@ -21,7 +21,7 @@ import grpc
 import pytest
 from helpers import free_port
 
-from prefixmesh import up as up_cli
+from prefixmesh.cli import up as up_cli
 from prefixmesh.cli.procs import LogSink, ProcessSpec, Supervisor, wait_serving
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
