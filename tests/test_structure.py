@@ -16,7 +16,7 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS_EXEMPT_FILES = {"kernels/triton_kernels.py"}
 # Functions still over the limit, each to be split by the owner of its file (then removed here).
 LONG_FUNCTIONS_ALLOWED = {
-    ("replica/bench.py", "bench_throughput"),  # the engine benchmarks are being split up
+    ("replica/bench/attention.py", "run"),  # 83 lines: the engine's bench owner splits it
 }
 
 
