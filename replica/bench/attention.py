@@ -21,30 +21,23 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> dict:
+def decode_batch(batch: int, context: int, dtype, seed: int = 0) -> dict:
+    """A decode step's inputs at SmolLM2's heads: ``batch`` sequences of ``context`` +- 32
+    tokens, their blocks scattered over a pool twice the size needed, as in a busy engine."""
     import torch
 
-    from kernels import cpu_ops
     from kernels.interface import AttentionMetadata
-    from kernels.torch_ref import TorchAttentionBackend
-    from replica.engine import default_dtype
 
-    threads = set_threads(args)
-    dtype = getattr(torch, default_dtype("cpu") if args.dtype == "auto" else args.dtype)
-    heads, kv_heads, head_dim, block = 9, 3, 64, 16  # SmolLM2-135M
-    gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(args.context - 32, args.context + 33, (args.batch,), generator=gen)
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(context - 32, context + 33, (batch,), generator=gen)
     blocks_per_seq = (int(lens.max()) + block - 1) // block
-    # Every sequence's blocks scattered over a pool twice the size needed, as in a busy engine.
-    num_blocks = 2 * args.batch * blocks_per_seq
-    tables = torch.randperm(num_blocks, generator=gen)[: args.batch * blocks_per_seq]
-    tables = tables.view(args.batch, blocks_per_seq).int()
-    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
-    query = torch.randn(args.batch, heads, head_dim, generator=gen).to(dtype)
+    num_blocks = 2 * batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
+    tables = tables.view(batch, blocks_per_seq).int()
     positions = (lens - 1).tolist()
     meta = AttentionMetadata(
-        query_start_loc=torch.arange(args.batch + 1, dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
         seq_lens=lens.int(),
         block_tables=tables,
         slot_mapping=torch.tensor(
@@ -52,9 +45,31 @@ def run(args) -> dict:
         ),
         max_query_len=1,
         max_seq_len=int(lens.max()),
-        query_lens_cpu=[1] * args.batch,
+        query_lens_cpu=[1] * batch,
         seq_lens_cpu=lens.tolist(),
     )
+    cache_shape = (num_blocks, block, kv_heads, head_dim)
+    return {
+        "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "block": block,
+        "lens": lens, "tables": tables, "meta": meta,
+        "k_cache": torch.randn(*cache_shape, generator=gen).to(dtype),
+        "v_cache": torch.randn(*cache_shape, generator=gen).to(dtype),
+        "query": torch.randn(batch, heads, head_dim, generator=gen).to(dtype),
+    }  # fmt: skip
+
+
+def run(args) -> dict:
+    import torch
+
+    from kernels import cpu_ops
+    from kernels.torch_ref import TorchAttentionBackend
+    from replica.engine import default_dtype
+
+    threads = set_threads(args)
+    dtype = getattr(torch, default_dtype("cpu") if args.dtype == "auto" else args.dtype)
+    d = decode_batch(args.batch, args.context, dtype)
+    lens, tables, meta = d["lens"], d["tables"], d["meta"]
+    k_cache, v_cache = d["k_cache"], d["v_cache"]
 
     def per_call_ms(fn) -> float:
         return seconds_per_call(fn, args.iters, warmup=3) * 1000
@@ -69,25 +84,31 @@ def run(args) -> dict:
         if use_kernel is None and not backend._use_cpu_kernel:
             print("the C++ kernel is not available here (no compiler?)")
             continue
-        backend.prepare(meta, block)
-        attend = functools.partial(backend.attend, query, k_cache, v_cache, meta, head_dim**-0.5)
+        backend.prepare(meta, d["block"])
+        scale = d["head_dim"] ** -0.5
+        attend = functools.partial(backend.attend, d["query"], k_cache, v_cache, meta, scale)
         outputs[name] = attend()
         result[f"{name}_ms"] = per_call_ms(attend)
     if len(outputs) == 2:
         diff = (outputs["cpu_kernel"].float() - outputs["torch_sdpa"].float()).abs().max()
         result["max_abs_diff"] = float(diff)
         result["speedup"] = result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
-    touched = sum(int(n) for n in lens) * 2 * kv_heads * head_dim * k_cache.element_size()
-    result["kv_mb"] = touched / 1e6
+    row_bytes = 2 * d["kv_heads"] * d["head_dim"] * k_cache.element_size()
+    result["kv_mb"] = sum(int(n) for n in lens) * row_bytes / 1e6
     if kernels is not None:
         # The floor: every key and value the step attends to, read once, the kernel's way.
         read = functools.partial(kernels.read_kv_once, k_cache, v_cache, tables, lens.int())
         result["read_kv_ms"] = per_call_ms(read)
         result["kernel_vs_floor"] = result["cpu_kernel_ms"] / result["read_kv_ms"]
+    _print(args, d, dtype_name, threads, result)
+    return result
+
+
+def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
     print(
         f"paged decode attention, one layer, {args.batch} sequences of ~{args.context} tokens "
-        f"({heads}/{kv_heads} heads, head_dim {head_dim}, {dtype_name}, {threads} threads, "
-        f"kernel build {result['isa']}), mean of {args.iters} calls:"
+        f"({d['heads']}/{d['kv_heads']} heads, head_dim {d['head_dim']}, {dtype_name}, "
+        f"{threads} threads, kernel build {result['isa']}), mean of {args.iters} calls:"
     )
     for name in ("cpu_kernel", "torch_sdpa"):
         if f"{name}_ms" in result:
@@ -103,4 +124,3 @@ def run(args) -> dict:
             f"  C++ kernel / torch path: {result['speedup']:.1f}x faster "
             f"(max abs difference {result['max_abs_diff']:.1e})"
         )
-    return result
