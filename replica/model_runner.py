@@ -10,11 +10,13 @@ import torch
 
 from kernels import get_backend
 from kernels.interface import AttentionMetadata
+from replica import config
 from replica.model import LlamaModel
 from replica.model_config import ModelConfig
 from replica.scheduler import SchedulerOutput
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The engine's dtype names (replica/config.py) as torch dtypes.
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
