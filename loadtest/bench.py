@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest.best_hit_rate import best_hit_rate
+from loadtest.ceilings import add_ceilings
 from loadtest.client import GenerateClient
 from loadtest.cluster import ClusterClient, cluster_delta
 from loadtest.plots import write_plots
@@ -36,6 +36,7 @@ class BenchOptions:
     warmup: int = 0
     slo: Slo | None = None
     block_size: int | None = None  # None: the replicas' block size from the router, else 16
+    capacity_blocks: int | None = None  # None: the replicas' KV pools together, from the router
     progress: bool = True
     plots: bool = True
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # recorded in summaries
@@ -114,10 +115,11 @@ async def run_once(
     if block_size is None and cluster is not None and after is None:
         block_size = await cluster.replica_block_size()
     block_size = block_size or DEFAULT_BLOCK_SIZE
+    capacity = opts.capacity_blocks or (after.capacity_blocks if after else None)
+    if capacity is None and cluster is not None and after is None:
+        capacity = await cluster.replica_num_blocks()
     sent = {r.index for r in phase.results}
-    best = best_hit_rate([r for r in measured if r.index in sent], block_size, warm)
-    summary["block_size"] = block_size
-    summary["best_hit_rate"] = best.hit_rate
+    add_ceilings(summary, [r for r in measured if r.index in sent], block_size, capacity, warm)
     return results, summary
 
 

@@ -178,6 +178,13 @@ def _result_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="block size for the best possible hit rate (default: the replicas')",
     )
+    g.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        help="KV blocks of the whole cluster for the capacity-aware ceiling (default: the "
+        "replicas' pools together, from the router)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="no PNG plots")
 
@@ -211,6 +218,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         warmup=min(args.warmup, len(requests) - 1),
         slo=parse_slo(args.slo) if args.slo else None,
         block_size=args.block_size,
+        capacity_blocks=args.capacity_blocks,
         progress=not args.no_progress,
         plots=not args.no_plots,
         settings={

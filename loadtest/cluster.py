@@ -21,6 +21,7 @@ class ReplicaCounters:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    num_blocks: int = 0  # the replica's KV block pool (its lease)
 
 
 @dataclass(slots=True)
@@ -37,8 +38,9 @@ class ClusterSnapshot:
         snap = cls(policy=state.policy)
         for r in state.replicas:
             snap.replicas[r.replica_id] = ReplicaCounters(
-                r.replica_id, r.address, r.block_size, r.requests, r.prompt_tokens, r.cached_tokens
-            )
+                r.replica_id, r.address, r.block_size, r.requests, r.prompt_tokens,
+                r.cached_tokens, r.load.num_blocks,
+            )  # fmt: skip
         snap.decisions = dict(state.routing.decisions)
         rt = state.routing
         snap.routing = {
@@ -56,6 +58,12 @@ class ClusterSnapshot:
     def block_size(self) -> int | None:
         sizes = {r.block_size for r in self.replicas.values() if r.block_size}
         return sizes.pop() if len(sizes) == 1 else None
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """All live replicas' KV pools together (None if some replica does not report one)."""
+        pools = [r.num_blocks for r in self.replicas.values()]
+        return sum(pools) if pools and all(pools) else None
 
 
 def _rate(num: int, den: int) -> float | None:
@@ -124,6 +132,16 @@ class ClusterClient:
         except grpc.aio.AioRpcError:
             return None
         return info.block_size or None
+
+    async def replica_num_blocks(self, timeout: float = 10.0) -> int | None:
+        """The KV pool of a replica target (``Replica.GetLoad``), None if not one."""
+        try:
+            load = await pb_grpc.ReplicaStub(self._channel).GetLoad(
+                pb.Empty(), timeout=timeout, metadata=self._md
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        return load.num_blocks or None
 
     async def set_policy(self, policy: str, timeout: float = 10.0) -> ClusterSnapshot:
         state = await self._stub.SetPolicy(

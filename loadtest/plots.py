@@ -54,7 +54,7 @@ def plot_latency_cdfs(runs: dict[str, list[RequestResult]], path: Path) -> None:
 
 
 def plot_hit_rates(summaries: dict[str, dict[str, Any]], path: Path) -> None:
-    """Per-replica hit rate bars, one cluster of bars per run, best possible as a line."""
+    """Per-replica hit rate bars, one cluster of bars per run, both ceilings as lines."""
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / max(1, len(summaries))
     replicas = sorted({rid for s in summaries.values() for rid in replica_rows(s)})
@@ -68,7 +68,17 @@ def plot_hit_rates(summaries: dict[str, dict[str, Any]], path: Path) -> None:
         (s.get("best_hit_rate") for s in summaries.values() if s.get("best_hit_rate")), None
     )
     if best is not None:
-        ax.axhline(best, color="k", linestyle="--", label="best possible")
+        ax.axhline(best, color="k", linestyle="--", label="ceiling: unlimited cache")
+    capacity = next(
+        (
+            s["ceilings"]["capacity_aware"]
+            for s in summaries.values()
+            if s.get("ceilings", {}).get("capacity_aware") is not None
+        ),
+        None,
+    )
+    if capacity is not None:
+        ax.axhline(capacity, color="tab:red", linestyle=":", label="ceiling: capacity-aware")
     ax.set_xticks(xs + width * (len(summaries) - 1) / 2, [*replicas, "cluster"], rotation=20)
     ax.set_ylabel("prefix hit rate")
     ax.set_ylim(0, 1)

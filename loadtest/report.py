@@ -33,6 +33,32 @@ def cluster_hit_rate(summary: dict[str, Any]) -> float | None:
     return summary["hit_rate"]
 
 
+def ceiling_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The two ceilings and the achieved rate as a fraction of each (loadtest/ceilings.py)."""
+    c = summary.get("ceilings")
+    if not c:
+        best = summary.get("best_hit_rate")
+        return [] if best is None else [("best possible", f"{pct(best)} (unlimited cache)")]
+    rows = [
+        (
+            "ceiling: unlimited cache",
+            f"{pct(c['unlimited'])} (achieved {pct(c['fraction_of_unlimited'])} of it, "
+            f"block {c['block_size']})",
+        )
+    ]
+    if c.get("capacity_aware") is not None:
+        rows.append(
+            (
+                "ceiling: capacity-aware",
+                f"{pct(c['capacity_aware'])} (one LRU of {c['capacity_blocks']:,} blocks; "
+                f"achieved {pct(c['fraction_of_capacity_aware'])} of it)",
+            )
+        )
+    else:
+        rows.append(("ceiling: capacity-aware", "- (the replicas' KV pool sizes are unknown)"))
+    return rows
+
+
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     req = summary["requests"]
@@ -61,11 +87,8 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             "goodput", f"{g['requests_per_s']:.2f} req/s ({pct(g['fraction'])} meet {g['slo']})"
         )
     head.add_row("prefix hit rate", pct(cluster_hit_rate(summary)))
-    if summary.get("best_hit_rate") is not None:
-        head.add_row(
-            "best possible",
-            f"{pct(summary['best_hit_rate'])} (unlimited cache, block {summary.get('block_size')})",
-        )
+    for label, value in ceiling_rows(summary):
+        head.add_row(label, value)
     lag = summary["send_lag_ms"]
     if lag["count"]:
         head.add_row("send lag", f"p50 {_ms(lag['p50'])} ms, p99 {_ms(lag['p99'])} ms")
@@ -99,7 +122,12 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
 COMPARE_ROWS: list[tuple[str, Any]] = [
     ("ok / sent", lambda s: f"{s['requests']['ok']} / {s['requests']['sent']}"),
     ("prefix hit rate", lambda s: pct(cluster_hit_rate(s))),
-    ("best possible hit rate", lambda s: pct(s.get("best_hit_rate"))),
+    ("ceiling: unlimited cache", lambda s: pct(s.get("best_hit_rate"))),
+    ("ceiling: capacity-aware", lambda s: pct(s.get("ceilings", {}).get("capacity_aware"))),
+    (
+        "achieved / capacity-aware",
+        lambda s: pct(s.get("ceilings", {}).get("fraction_of_capacity_aware")),
+    ),
     ("TTFT mean (ms)", lambda s: _ms(s["latency_ms"]["ttft"]["mean"])),
     ("TTFT p50 (ms)", lambda s: _ms(s["latency_ms"]["ttft"]["p50"])),
     ("TTFT p90 (ms)", lambda s: _ms(s["latency_ms"]["ttft"]["p90"])),

@@ -1,0 +1,170 @@
+"""Two ceilings for the prefix hit rate of a workload, computed offline from its token ids.
+
+- **unlimited**: one cache that never evicts. A request finds cached every leading full block
+  that an earlier request's prompt already contained. What routing could reach if KV memory
+  were free.
+- **capacity-aware**: one LRU cache of ``capacity_blocks`` blocks, as large as all the
+  replicas' KV pools together (read from the cluster). What perfect routing without duplicate
+  copies could reach with the memory the cluster actually has. The gap between the two is the
+  part of the misses that no router can win back, only more memory.
+
+Both follow the replicas' rules (``replica/block_manager.py``): the last prompt token is never
+served from cache (its logits are needed), so only blocks within the first ``len - 1`` tokens
+count as hits; after a request its full prompt blocks are cached, and they join the LRU order
+tail first, so a conversation's shared root is evicted after its private tail. Generated tokens
+are not counted (not known before the run). Requests are taken one at a time in send order
+(no request pins blocks while another one runs), which is what an ideal cluster with this much
+memory would see.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loadtest.request import LoadRequest
+from prefixmesh.hashing import block_hashes
+
+_MODEL_ID = "loadtest"  # any fixed id: only equality of hashes matters here
+
+
+@dataclass(frozen=True, slots=True)
+class Ceiling:
+    """Prompt tokens of the counted requests and the tokens a cache of this kind serves."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    capacity_blocks: int | None = None  # None: unlimited
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class LruBlockCache:
+    """A prefix cache of block hashes with LRU eviction, like one replica's block pool."""
+
+    def __init__(self, capacity_blocks: int | None) -> None:
+        if capacity_blocks is not None and capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._blocks
+
+    def match(self, hashes: Sequence[bytes], max_blocks: int) -> int:
+        """Leading blocks of ``hashes`` (at most ``max_blocks``) held now."""
+        hits = 0
+        for h in hashes[:max_blocks]:
+            if h not in self._blocks:
+                break
+            hits += 1
+        return hits
+
+    def insert(self, hashes: Sequence[bytes]) -> None:
+        """Run a request's blocks through the cache as a replica does: the blocks it finds are
+        referenced (out of the LRU order while it runs), new ones are allocated in prompt order,
+        each evicting the least recently used unreferenced block, and when the request ends all
+        of them rejoin the LRU order tail first, the root last."""
+        if self.capacity == 0:
+            return
+        held = [h for h in hashes if h in self._blocks]
+        for h in held:
+            del self._blocks[h]
+        in_use = len(set(held))
+        for h in hashes:
+            if h in held:
+                continue
+            if self.capacity is not None and len(self._blocks) + in_use >= self.capacity:
+                if not self._blocks:
+                    break  # the request alone fills the pool: its tail is not cached
+                self._blocks.popitem(last=False)
+            held.append(h)
+            in_use += 1
+        kept = set(held)
+        for h in reversed(hashes):
+            if h in kept and h not in self._blocks:
+                self._blocks[h] = None
+
+
+def request_hashes(r: LoadRequest, block_size: int) -> list[bytes]:
+    return block_hashes(r.token_ids, block_size, _MODEL_ID, r.cache_salt or None)
+
+
+def ceiling(
+    measured: Iterable[LoadRequest],
+    block_size: int,
+    capacity_blocks: int | None = None,
+    warmup: Iterable[LoadRequest] = (),
+) -> Ceiling:
+    """The hit rate of one cache of ``capacity_blocks`` (None: unlimited) over ``measured`` in
+    send order; ``warmup`` requests went earlier and warm the cache but do not count."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    cache = LruBlockCache(capacity_blocks)
+    prompt = cached = 0
+    for counted, reqs in ((False, warmup), (True, measured)):
+        for r in reqs:
+            hashes = request_hashes(r, block_size)
+            hits = cache.match(hashes, (len(r.token_ids) - 1) // block_size)
+            cache.insert(hashes)
+            if counted:
+                prompt += len(r.token_ids)
+                cached += hits * block_size
+    return Ceiling(prompt, cached, capacity_blocks)
+
+
+def ceilings_summary(
+    measured: list[LoadRequest],
+    block_size: int,
+    capacity_blocks: int | None,
+    warmup: list[LoadRequest] = (),
+) -> dict[str, object]:
+    """The ``ceilings`` block of a run's summary (capacity-aware only when the capacity is
+    known: a router reports its replicas' pool sizes, a bare replica its own)."""
+    unlimited = ceiling(measured, block_size, None, warmup)
+    out: dict[str, object] = {
+        "block_size": block_size,
+        "unlimited": unlimited.hit_rate,
+        "capacity_blocks": capacity_blocks,
+        "capacity_aware": None,
+    }
+    if capacity_blocks:
+        out["capacity_aware"] = ceiling(measured, block_size, capacity_blocks, warmup).hit_rate
+    return out
+
+
+def fraction_of(achieved: float | None, ceiling_rate: float | None) -> float | None:
+    """``achieved / ceiling_rate``, None when either is unknown or the ceiling is 0."""
+    if achieved is None or not ceiling_rate:
+        return None
+    return achieved / ceiling_rate
+
+
+def add_ceilings(
+    summary: dict[str, Any],
+    measured: list[LoadRequest],
+    block_size: int,
+    capacity_blocks: int | None,
+    warmup: list[LoadRequest] = (),
+) -> None:
+    """Put both ceilings and the achieved rate's fraction of each into a run's summary.
+
+    ``best_hit_rate`` (the unlimited ceiling) keeps its old key for existing readers."""
+    c = ceilings_summary(measured, block_size, capacity_blocks, warmup)
+    achieved = summary.get("hit_rate")
+    cluster = summary.get("cluster")
+    if cluster and cluster.get("hit_rate") is not None:
+        achieved = cluster["hit_rate"]
+    c["achieved"] = achieved
+    c["fraction_of_unlimited"] = fraction_of(achieved, c["unlimited"])
+    c["fraction_of_capacity_aware"] = fraction_of(achieved, c["capacity_aware"])
+    summary["block_size"] = block_size
+    summary["best_hit_rate"] = c["unlimited"]
+    summary["ceilings"] = c
