@@ -32,6 +32,7 @@ class ClusterSnapshot:
     replicas: dict[str, ReplicaCounters] = field(default_factory=dict)
     decisions: dict[str, int] = field(default_factory=dict)
     routing: dict[str, int] = field(default_factory=dict)
+    misses: dict[str, int] = field(default_factory=dict)  # blocks by fate (router/attribution.py)
 
     @classmethod
     def from_proto(cls, state: pb.ClusterState) -> ClusterSnapshot:
@@ -42,6 +43,7 @@ class ClusterSnapshot:
                 r.cached_tokens, r.load.num_blocks,
             )  # fmt: skip
         snap.decisions = dict(state.routing.decisions)
+        snap.misses = dict(state.routing.misses)
         rt = state.routing
         snap.routing = {
             "requests": rt.requests,
@@ -95,10 +97,13 @@ def cluster_delta(before: ClusterSnapshot, after: ClusterSnapshot) -> dict[str, 
         for k, v in sorted(after.decisions.items())
         if v - base_decisions.get(k, 0)
     }
+    base_misses = {} if reset else before.misses
+    misses = {k: v - base_misses.get(k, 0) for k, v in after.misses.items()}
     return {
         "policy": after.policy,
         "replicas": replicas,
         "decisions": decisions,
+        "misses": misses,
         "routing": routing,
         "hit_rate": _rate(routing.get("actual_cached_tokens", 0), routing.get("prompt_tokens", 0)),
     }

@@ -117,6 +117,18 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     if cluster and cluster["decisions"]:
         decisions = ", ".join(f"{k}: {v}" for k, v in cluster["decisions"].items())
         console.print(f"routing decisions ({cluster['policy']}): {decisions}")
+    if cluster and cluster.get("misses", {}).get("cacheable"):
+        console.print(f"prompt blocks (router's attribution): {misses_line(cluster['misses'])}")
+
+
+def misses_line(misses: dict[str, int]) -> str:
+    """``hit 120 (40%), compulsory 90 (30%), ...`` over the cacheable prompt blocks."""
+    total = misses.get("cacheable", 0)
+    parts = []
+    for kind in ("hit", "compulsory", "evicted", "elsewhere", "stale"):
+        n = misses.get(kind, 0)
+        parts.append(f"{kind} {n:,} ({pct(n / total if total else None)})")
+    return ", ".join(parts)
 
 
 COMPARE_ROWS: list[tuple[str, Any]] = [
@@ -139,6 +151,13 @@ COMPARE_ROWS: list[tuple[str, Any]] = [
     ("requests/s", lambda s: _num(s["throughput"]["requests_per_s"])),
     ("output tok/s", lambda s: _num(s["throughput"]["output_tokens_per_s"], ",.1f")),
     ("goodput req/s", lambda s: _num(s.get("goodput", {}).get("requests_per_s"))),
+    *(
+        (
+            f"blocks: {kind}",
+            lambda s, kind=kind: _share(s.get("cluster", {}).get("misses", {}), kind),
+        )
+        for kind in ("hit", "compulsory", "evicted", "elsewhere", "stale")
+    ),
     (
         "requests per replica",
         lambda s: " ".join(str(r["requests"]) for r in replica_rows(s).values()),
@@ -148,6 +167,11 @@ COMPARE_ROWS: list[tuple[str, Any]] = [
         lambda s: " ".join(pct(r["hit_rate"]) for r in replica_rows(s).values()),
     ),
 ]
+
+
+def _share(misses: dict[str, int], kind: str) -> str:
+    total = misses.get("cacheable", 0)
+    return f"{misses.get(kind, 0):,} ({pct(misses.get(kind, 0) / total)})" if total else "-"
 
 
 def print_comparison(summaries: dict[str, dict[str, Any]], console: Console | None = None) -> None:

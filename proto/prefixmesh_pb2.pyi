@@ -258,8 +258,15 @@ class ReplicaInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., inflight_tokens: _Optional[int] = ..., http_address: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class RoutingStats(_message.Message):
-    __slots__ = ("decisions", "requests", "predicted_cached_tokens", "actual_cached_tokens", "prompt_tokens", "retries", "failovers", "errors", "hit_rate")
+    __slots__ = ("decisions", "requests", "predicted_cached_tokens", "actual_cached_tokens", "prompt_tokens", "retries", "failovers", "errors", "hit_rate", "misses")
     class DecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MissesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +282,7 @@ class RoutingStats(_message.Message):
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
     decisions: _containers.ScalarMap[str, int]
     requests: int
     predicted_cached_tokens: int
@@ -284,7 +292,8 @@ class RoutingStats(_message.Message):
     failovers: int
     errors: int
     hit_rate: float
-    def __init__(self, decisions: _Optional[_Mapping[str, int]] = ..., requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., retries: _Optional[int] = ..., failovers: _Optional[int] = ..., errors: _Optional[int] = ..., hit_rate: _Optional[float] = ...) -> None: ...
+    misses: _containers.ScalarMap[str, int]
+    def __init__(self, decisions: _Optional[_Mapping[str, int]] = ..., requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., retries: _Optional[int] = ..., failovers: _Optional[int] = ..., errors: _Optional[int] = ..., hit_rate: _Optional[float] = ..., misses: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ClusterState(_message.Message):
     __slots__ = ("policy", "replicas", "routing", "redis_connected", "router_id")

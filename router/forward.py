@@ -226,6 +226,9 @@ class Forwarder:
             self.metrics.finished(
                 plan.handle.replica_id, resp.usage.prompt_tokens, resp.usage.cached_tokens
             )
+            if plan.misses is not None:  # once per routed request (its first finished sample)
+                self.router.attribution.settle(plan.misses, resp.usage.cached_tokens)
+                plan.misses = None
         return resp
 
 

@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from prefixmesh.hashing import BlockHash
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from proto import prefixmesh_pb2 as pb
+from router.attribution import MissAttribution, PendingMisses
 from router.config import RouterConfig
 from router.discovery import GROUP_KEY, ReplicaHandle, ReplicaView
 from router.fastredis import PipelinedRedis
@@ -58,6 +59,7 @@ class RoutePlan:
     decode_tokens: int
     held_tokens: int = 0
     done: bool = False
+    misses: PendingMisses | None = None  # settled when the replica reports its cached tokens
 
     def settle_prefill(self) -> None:
         """First token seen: the prompt is prefilled, only decoding remains outstanding."""
@@ -102,6 +104,7 @@ class Router:
         )  # fmt: skip
         self.policy = self.make_policy(config.policy)
         self._fallback = LeastLoadedPolicy()
+        self.attribution = MissAttribution()  # why prompt blocks missed (router/attribution.py)
         self.redis_ok = False
         # Predicted entries this router wrote, checked locally so that its own next request
         # sees them even before the write reaches Redis: replica -> hash -> expiry (monotonic).
@@ -266,7 +269,11 @@ class Router:
             prompt_ids=ids,
             decode_tokens=decode,
             held_tokens=decision.weight_tokens,
-        )
+            misses=self.attribution.pending(
+                hashes, route_req.prompt_tokens, route_req.block_size, chosen.matched_blocks,
+                max((c.matched_blocks for c in candidates if c is not chosen), default=0),
+            ),
+        )  # fmt: skip
         return plan
 
     @staticmethod

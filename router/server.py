@@ -95,6 +95,7 @@ class ClusterServicer(pb_grpc.ClusterServicer):
             failovers=w.failovers,
             errors=w.errors,
             hit_rate=w.hit_rate,
+            misses=router.attribution.snapshot(),
         )
         return pb.ClusterState(
             policy=router.policy.name,
@@ -119,6 +120,7 @@ class ClusterServicer(pb_grpc.ClusterServicer):
 
     async def ResetStats(self, request: pb.Empty, context) -> pb.ClusterState:  # noqa: N802
         self.router.metrics.reset_window()
+        self.router.attribution.reset()
         for handle in self.router.view.handles.values():
             handle.stats.requests = handle.stats.prompt_tokens = handle.stats.cached_tokens = 0
         return self.state()

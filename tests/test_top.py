@@ -35,6 +35,8 @@ def _state(replica_address: str) -> pb.ClusterState:
         routing=pb.RoutingStats(
             decisions={"warm": 7, "cold": 3}, requests=10, prompt_tokens=500,
             actual_cached_tokens=312, hit_rate=0.624, failovers=1,
+            misses={"hit": 19, "compulsory": 6, "evicted": 3, "elsewhere": 1, "stale": 1,
+                    "cacheable": 30},
         ),
     )  # fmt: skip
 
@@ -96,6 +98,9 @@ def test_once_renders_every_replica_hit_rate(fake_router: str, capsys) -> None:
     assert "25.0%" in lines["replica-a"]  # engine-side hit rate from Replica.GetStats
     assert "cluster hit rate 62.4%" in out
     assert "cold 3" in out and "warm 7" in out and "failovers 1" in out
+    # the router's miss attribution, in blocks and as shares of the cacheable ones
+    assert "compulsory 6 (20.0%)" in out and "evicted 3 (10.0%)" in out
+    assert "elsewhere 1 (3.3%)" in out and "stale 1 (3.3%)" in out
 
 
 def test_once_reports_unreachable_router() -> None:

@@ -144,14 +144,28 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         f"errors {r.errors}   predicted cached {r.predicted_cached_tokens} / actual "
         f"{r.actual_cached_tokens} tokens"
     )
+    parts = [header, table, routing, _misses(r)]
     if not cur.refused:
-        return Group(header, table, routing)
+        return Group(*parts)
     refused = Text(
         f"replica stats: {', '.join(cur.refused)} refused the API key (--api-key / "
         "PREFIXMESH_API_KEY must be the replicas' key; --no-replica-stats asks only the router)",
         style="yellow",
     )
-    return Group(header, table, routing, refused)
+    return Group(*parts, refused)
+
+
+def _misses(r: pb.RoutingStats) -> Text:
+    """Prompt blocks by fate, from the router's miss attribution (router/attribution.py)."""
+    total = r.misses.get("cacheable", 0)
+    if not total:
+        return Text("prompt blocks: none attributed yet")
+    kinds = ("hit", "compulsory", "evicted", "elsewhere", "stale")
+    return Text(
+        "prompt blocks: "
+        + "  ".join(f"{k} {r.misses.get(k, 0)} ({_pct(r.misses.get(k, 0) / total).strip()})"
+                    for k in kinds)
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
