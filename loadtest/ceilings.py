@@ -10,9 +10,11 @@
 
 Both follow the replicas' rules (``replica/block_manager.py``): the last prompt token is never
 served from cache (its logits are needed), so only blocks within the first ``len - 1`` tokens
-count as hits; after a request its full prompt blocks are cached, and they join the LRU order
-tail first, so a conversation's shared root is evicted after its private tail. Generated tokens
-are not counted (not known before the run). Requests are taken one at a time in send order
+count as hits; a request holds the blocks it finds while it runs, its new blocks evict the least
+recently used ones, and afterwards every full block of its computed tokens (the prompt and its
+generated tokens, which the load tester fixes with ``max_tokens`` and ``ignore_eos``) joins the
+LRU order tail first, so a conversation's shared root is evicted after its private tail.
+Generated tokens never count as hits (later prompts do not contain them). Requests are taken one at a time in send order
 (no request pins blocks while another one runs), which is what an ideal cluster with this much
 memory would see.
 """
@@ -67,27 +69,28 @@ class LruBlockCache:
             hits += 1
         return hits
 
-    def insert(self, hashes: Sequence[bytes]) -> None:
+    def insert(self, hashes: Sequence[bytes], transient: int = 0) -> None:
         """Run a request's blocks through the cache as a replica does: the blocks it finds are
-        referenced (out of the LRU order while it runs), new ones are allocated in prompt order,
-        each evicting the least recently used unreferenced block, and when the request ends all
-        of them rejoin the LRU order tail first, the root last."""
+        referenced (out of the LRU order while it runs), new ones are allocated, each evicting
+        the least recently used unreferenced block, and when the request ends all of them
+        rejoin the LRU order tail first, the root last. ``transient`` blocks (a partly filled
+        last block) take room while it runs and are then freed, not cached."""
         if self.capacity == 0:
             return
         held = [h for h in hashes if h in self._blocks]
         for h in held:
             del self._blocks[h]
-        in_use = len(set(held))
-        for h in hashes:
-            if h in held:
-                continue
+        kept = set(held)
+        in_use = len(kept)
+        fresh = [h for h in hashes if h not in kept]
+        for i in range(len(fresh) + transient):
             if self.capacity is not None and len(self._blocks) + in_use >= self.capacity:
                 if not self._blocks:
                     break  # the request alone fills the pool: its tail is not cached
                 self._blocks.popitem(last=False)
-            held.append(h)
             in_use += 1
-        kept = set(held)
+            if i < len(fresh):
+                kept.add(fresh[i])
         for h in reversed(hashes):
             if h in kept and h not in self._blocks:
                 self._blocks[h] = None
@@ -109,11 +112,20 @@ def ceiling(
         raise ValueError(f"block_size must be positive, got {block_size}")
     cache = LruBlockCache(capacity_blocks)
     prompt = cached = 0
+    seq = 0
     for counted, reqs in ((False, warmup), (True, measured)):
         for r in reqs:
+            seq += 1
             hashes = request_hashes(r, block_size)
             hits = cache.match(hashes, (len(r.token_ids) - 1) // block_size)
-            cache.insert(hashes)
+            # As on a replica: every full block of the computed tokens is cached (prompt, then
+            # all generated tokens but the last, which is never computed), the partly filled
+            # last block only takes room while the request runs. Blocks holding generated
+            # tokens get keys of their own: no later prompt contains them.
+            computed = len(r.token_ids) + max(1, r.max_tokens) - 1
+            full = computed // block_size
+            gen = [b"gen:%d:%d" % (seq, i) for i in range(len(hashes), full)]
+            cache.insert(list(hashes[:full]) + gen, transient=1 if computed % block_size else 0)
             if counted:
                 prompt += len(r.token_ids)
                 cached += hits * block_size

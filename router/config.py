@@ -35,10 +35,12 @@ class RouterConfig:
     api_key: str = field(default="", repr=False)
     replica_api_key: str = field(default="", repr=False)
     # Cost model and load bound (docs/router.md explains them).
-    balance_epsilon: float = 0.5
+    balance_epsilon: float = 1.0
     balance_slack_tokens: int = 512
+    balance_requests_epsilon: float = 0.1
+    balance_window: int = 256
     tie_tokens: int = 32
-    prefill_weight: float = 1.0
+    prefill_weight: float = 8.0
     predicted_ttl_ms: int = 5000
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     # Discovery and shared state.
@@ -80,11 +82,17 @@ _HELP: dict[str, str] = {
     "load + slack is skipped (load = outstanding tokens, docs/router.md)",
     "balance_slack_tokens": "load (tokens) below which the bound never bites, so a burst on "
     "an idle cluster stays together",
+    "balance_requests_epsilon": "request bound: a replica whose share of this router's last "
+    "--balance-window decisions would exceed (1 + epsilon) x the mean (+ 2 requests) is "
+    "skipped (negative = off)",
+    "balance_window": "routing decisions over which the request bound counts requests",
     "tie_tokens": "costs within this many tokens count as equal; ties go to the replica the "
     "prefix hashes to (rendezvous), the same on every router",
-    "prefill_weight": "cost of one uncached prompt token relative to one queued token",
+    "prefill_weight": "cost of one uncached prompt token relative to one queued token: a miss "
+    "costs the whole cluster (the prefix is computed and stored again), a queue only delays",
     "predicted_ttl_ms": "how long a routing decision counts as 'this replica will hold the "
-    "prefix' before the replica's own KV events confirm it",
+    "prefix' before the replica's own KV events confirm it (renewed while the request waits "
+    "for its first token)",
     "default_max_tokens": "max_tokens assumed for load when a request sets none (the "
     "replica's default)",
     "discovery_interval_s": "how often the lease list is re-read from Redis",
@@ -124,6 +132,8 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         problems.append(f"--port must be in [0, 65535] (got {config.port})")
     if config.balance_epsilon < 0:
         problems.append(f"--balance-epsilon must be >= 0 (got {config.balance_epsilon})")
+    if config.balance_window < 1:
+        problems.append(f"--balance-window must be >= 1 (got {config.balance_window})")
     if config.max_attempts < 1:
         problems.append(f"--max-attempts must be >= 1 (got {config.max_attempts})")
     if config.predicted_ttl_ms < 1:

@@ -65,6 +65,7 @@ class Candidate:
     predicted_blocks: int = 0
     inflight_tokens: int = 0
     queued_tokens: int = 0
+    recent_requests: int = 0  # of this router's last decisions (router/balance.py)
 
     @property
     def load(self) -> int:
@@ -192,17 +193,28 @@ class CacheAwarePolicy(Policy):
         slack_tokens: int = 512,
         tie_tokens: int = 32,
         prefill_weight: float = 1.0,
+        request_epsilon: float | None = None,
+        request_slack: int = 2,
+        cold_by_requests: bool = False,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
         self.tie_tokens = tie_tokens
         self.prefill_weight = prefill_weight
+        self.request_epsilon = request_epsilon
+        self.request_slack = request_slack
+        self.cold_by_requests = cold_by_requests
 
     @classmethod
     def create(cls, **knobs: float) -> CacheAwarePolicy:
+        bound = knobs.get("request_epsilon", -1.0)  # negative: no request bound
+        request_epsilon = bound if bound >= 0 else None
+        # The request bound and the placement of cold prefixes by recent requests go together:
+        # cold requests even out the counts, so warm ones rarely meet the bound.
         return cls(
             knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
-            knobs["prefill_weight"],
+            knobs["prefill_weight"], request_epsilon,
+            cold_by_requests=request_epsilon is not None,
         )  # fmt: skip
 
     def cost(self, request: RouteRequest, candidate: Candidate) -> float:
@@ -222,11 +234,36 @@ class CacheAwarePolicy(Policy):
         limit = (1.0 + self.epsilon) * (total_load + w) / n + self.slack_tokens
         return candidate.load + w <= limit
 
+    def within_request_bound(self, candidate: Candidate, total: int, n: int) -> bool:
+        """This request keeps the replica's share of recent decisions within bounds."""
+        if self.request_epsilon is None:
+            return True
+        limit = (1.0 + self.request_epsilon) * (total + 1) / n + self.request_slack
+        return candidate.recent_requests + 1 <= limit
+
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         total = sum(c.load for c in candidates)
-        eligible = [c for c in candidates if self.within_bound(request, c, total, len(candidates))]
+        recent = sum(c.recent_requests for c in candidates)
+        n = len(candidates)
+        eligible = [
+            c
+            for c in candidates
+            if self.within_bound(request, c, total, n) and self.within_request_bound(c, recent, n)
+        ]
         if not eligible:
-            eligible = [min(candidates, key=lambda c: c.load)]
+            eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
+        if self.cold_by_requests and not any(c.matched_blocks for c in candidates):
+            # No replica holds any of it: place it where it evens out recent requests, keeping
+            # room under the request bound for the warm requests that follow their cache.
+            chosen = min(
+                eligible,
+                key=lambda c: (
+                    c.recent_requests,
+                    c.load,
+                    -rendezvous(request.affinity, c.replica_id),
+                ),
+            )
+            return decide(request, candidates, chosen)
         costs = {c.replica_id: self.cost(request, c) for c in eligible}
         best = min(costs.values())
         tied = [c for c in eligible if costs[c.replica_id] <= best + self.tie_tokens]
@@ -239,10 +276,11 @@ class CacheAwarePolicy(Policy):
 def make_policy(
     name: str,
     *,
-    epsilon: float = 0.5,
+    epsilon: float = 1.0,
     slack_tokens: int = 512,
     tie_tokens: int = 32,
-    prefill_weight: float = 1.0,
+    prefill_weight: float = 8.0,
+    request_epsilon: float | None = 0.1,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
@@ -250,6 +288,7 @@ def make_policy(
     return REGISTRY[name].create(
         epsilon=epsilon, slack_tokens=slack_tokens, tie_tokens=tie_tokens,
         prefill_weight=prefill_weight,
+        request_epsilon=-1.0 if request_epsilon is None else request_epsilon,
     )  # fmt: skip
 
 

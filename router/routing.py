@@ -25,6 +25,7 @@ from prefixmesh.hashing import BlockHash
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from proto import prefixmesh_pb2 as pb
 from router.attribution import MissAttribution, PendingMisses
+from router.balance import RecentRequests
 from router.config import RouterConfig
 from router.discovery import GROUP_KEY, ReplicaHandle, ReplicaView
 from router.fastredis import PipelinedRedis
@@ -60,9 +61,16 @@ class RoutePlan:
     held_tokens: int = 0
     done: bool = False
     misses: PendingMisses | None = None  # settled when the replica reports its cached tokens
+    prefilled: bool = False
+
+    @property
+    def awaiting_prefill(self) -> bool:
+        """No token yet: the replica is still queueing or prefilling the prompt."""
+        return not self.done and not self.prefilled
 
     def settle_prefill(self) -> None:
         """First token seen: the prompt is prefilled, only decoding remains outstanding."""
+        self.prefilled = True
         if not self.done and self.held_tokens > self.decode_tokens:
             self.handle.inflight_tokens -= self.held_tokens - self.decode_tokens
             self.held_tokens = self.decode_tokens
@@ -105,6 +113,11 @@ class Router:
         self.policy = self.make_policy(config.policy)
         self._fallback = LeastLoadedPolicy()
         self.attribution = MissAttribution()  # why prompt blocks missed (router/attribution.py)
+        self.recent = RecentRequests(config.balance_window)  # for the request bound
+        # Plans still waiting for their first token, with the blocks predicted for them: their
+        # predicted entries are renewed until then, so a burst behind a long queue stays
+        # together however long it waits (a fixed TTL would scatter it).
+        self._awaiting: list[tuple[RoutePlan, list[BlockHash]]] = []
         self.redis_ok = False
         # Predicted entries this router wrote, checked locally so that its own next request
         # sees them even before the write reaches Redis: replica -> hash -> expiry (monotonic).
@@ -117,6 +130,7 @@ class Router:
         return make_policy(
             name, epsilon=c.balance_epsilon, slack_tokens=c.balance_slack_tokens,
             tie_tokens=c.tie_tokens, prefill_weight=c.prefill_weight,
+            request_epsilon=c.balance_requests_epsilon if c.balance_requests_epsilon >= 0 else None,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -127,6 +141,9 @@ class Router:
         self._tasks = [
             loop.create_task(self._every(self.config.discovery_interval_s, self.refresh)),
             loop.create_task(self._every(self.config.inflight_flush_s, self.flush_inflight)),
+            loop.create_task(
+                self._every(self.config.predicted_ttl_ms / 2000, self.renew_predicted)
+            ),
         ]
 
     async def close(self) -> None:
@@ -186,6 +203,24 @@ class Router:
     def _apply(self, matches: Sequence[ReplicaMatch]) -> None:
         self.view.apply((m.replica_id, m.lease, m.other_inflight_tokens) for m in matches)
         self.metrics.replicas.set(len(self.view.live()))
+
+    async def renew_predicted(self) -> None:
+        """Extend the predicted entries of requests that have not had their first token."""
+        live = [(p, h) for p, h in self._awaiting if p.awaiting_prefill]
+        self._awaiting = live
+        if not live:
+            return
+        expiry = time.monotonic() + self.config.predicted_ttl_ms / 1000
+        by_replica: dict[str, list[BlockHash]] = {}
+        for plan, hashes in live:
+            rid = plan.handle.replica_id
+            entries = self._predicted.setdefault(rid, {})
+            for h in hashes:
+                entries[h] = max(entries.get(h, 0.0), expiry)
+            by_replica.setdefault(rid, []).extend(hashes)
+        if self.redis_ok:
+            for rid, hashes in by_replica.items():
+                await self._record(rid, hashes)
 
     def _prune_predicted(self) -> None:
         now = time.monotonic()
@@ -263,6 +298,7 @@ class Router:
         chosen = next(c for c in candidates if c.replica_id == decision.replica_id)
         # Blocks the replica does not report yet: it is about to compute them.
         self._commit(handle, decision, hashes[chosen.cached_blocks :], matches)
+        self.recent.add(handle.replica_id)
         plan = RoutePlan(
             handle=handle,
             decision=decision,
@@ -274,6 +310,8 @@ class Router:
                 max((c.matched_blocks for c in candidates if c is not chosen), default=0),
             ),
         )  # fmt: skip
+        if len(hashes) > chosen.cached_blocks:
+            self._awaiting.append((plan, list(hashes[chosen.cached_blocks :])))
         return plan
 
     @staticmethod
@@ -304,6 +342,7 @@ class Router:
             predicted_blocks=predicted,
             inflight_tokens=max(0, handle.inflight_tokens) + other,
             queued_tokens=handle.lease.queued_tokens,
+            recent_requests=self.recent.count(handle.replica_id),
         )
 
     def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:

@@ -23,14 +23,15 @@ def test_unlimited_and_capacity_aware_on_a_hand_computed_trace() -> None:
     # Unlimited: the 3rd and 4th requests find both blocks: 2 x 8 tokens.
     unl = ceiling(reqs, 4)
     assert (unl.prompt_tokens, unl.cached_tokens) == (prompt, 16)
-    # 4 blocks of capacity hold everything: same as unlimited.
-    assert ceiling(reqs, 4, capacity_blocks=4).cached_tokens == 16
-    # 2 blocks: B evicts A, A evicts B: nothing is ever found.
-    assert ceiling(reqs, 4, capacity_blocks=2).cached_tokens == 0
-    # 3 blocks, as a replica's pool (oldest first): after A [A2, A1]; B allocates B3, then B4
-    # evicts A2: [A1, B4, B3]. Request 2 finds A1 (4 tokens), pins it, allocates A2 evicting
-    # B4: [B3, A2, A1]. Request 3 finds B3 but not B4: 4 tokens.
-    assert ceiling(reqs, 4, capacity_blocks=3).cached_tokens == 4 + 4
+    # Each request also takes a partly filled third block while it runs (9 tokens), so 5
+    # blocks of capacity hold everything: same as unlimited.
+    assert ceiling(reqs, 4, capacity_blocks=5).cached_tokens == 16
+    # 3 blocks: B's two blocks and its partial one evict all of A, and so on: nothing found.
+    assert ceiling(reqs, 3 + 1, capacity_blocks=3).cached_tokens == 0
+    # 4 blocks, as a replica's pool (oldest first): after A [A2, A1]; B allocates B1, B2 and
+    # its partial block, which evicts A2: [A1, B2, B1]. Request 2 finds A1 (4 tokens), pins it,
+    # allocates A2 and a partial block, which evicts B2: [B1, A2, A1]. Request 3 finds B1.
+    assert ceiling(reqs, 4, capacity_blocks=4).cached_tokens == 4 + 4
 
 
 def test_lru_evicts_the_tail_before_the_root() -> None:
@@ -42,6 +43,22 @@ def test_lru_evicts_the_tail_before_the_root() -> None:
     assert len(cache) == 3
     cache.insert([b"x1", b"x2", b"x3", b"x4"])  # larger than the pool: its tail is not kept
     assert b"x1" in cache and b"x3" in cache and b"x4" not in cache and len(cache) == 3
+
+
+def test_generated_tokens_take_blocks_in_the_capacity_aware_cache() -> None:
+    # A = 2 blocks + 1 token. With max_tokens 8 it computes 9 + 7 = 16 tokens: 4 full blocks,
+    # two of them hold generated tokens, cached under keys no prompt will ever match.
+    a = _req(0, [1, 2])
+    a.max_tokens = 8
+    b = _req(1, [1, 2])
+    assert ceiling([a, b], 4, capacity_blocks=4).cached_tokens == 8  # all 4 fit
+    # 3 blocks: A's generated blocks joined the LRU order first (tail first), so they go
+    # first, but B still finds A's prompt blocks
+    assert ceiling([a, b], 4, capacity_blocks=3).cached_tokens == 8
+    # C = 1 block + 1 token, between them: its block evicts A's generated block (the oldest),
+    # its partial block then A2, so B finds A1 only
+    c = _req(2, [3])
+    assert ceiling([a, c, b], 4, capacity_blocks=3).cached_tokens == 4
 
 
 def test_last_token_and_salt_rules_match_the_replicas() -> None:
@@ -61,7 +78,7 @@ def test_last_token_and_salt_rules_match_the_replicas() -> None:
 def test_summary_block_and_fractions() -> None:
     reqs = [_req(0, [1, 2]), _req(1, [3, 4]), _req(2, [1, 2]), _req(3, [3, 4])]
     summary = {"hit_rate": 0.2, "cluster": {"hit_rate": 0.1}}
-    add_ceilings(summary, reqs, 4, capacity_blocks=3)
+    add_ceilings(summary, reqs, 4, capacity_blocks=4)
     c = summary["ceilings"]
     assert c["unlimited"] == pytest.approx(16 / 36)
     assert c["capacity_aware"] == pytest.approx(8 / 36)

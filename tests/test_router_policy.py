@@ -165,3 +165,53 @@ def test_make_policy_by_name(name: str) -> None:
 def test_make_policy_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
+
+
+# --- request bound and cold placement (router/balance.py) --------------------------------------
+
+
+def test_recent_requests_counts_a_sliding_window() -> None:
+    from router.balance import RecentRequests
+
+    recent = RecentRequests(window=3)
+    for rid in ("a", "a", "b", "c"):  # the first "a" falls out of the window
+        recent.add(rid)
+    assert (recent.count("a"), recent.count("b"), recent.count("c"), len(recent)) == (1, 1, 1, 3)
+    with pytest.raises(ValueError, match="window"):
+        RecentRequests(0)
+
+
+def test_request_bound_spills_a_warm_replica_with_too_many_recent_requests() -> None:
+    policy = CacheAwarePolicy(request_epsilon=0.1, request_slack=2)
+    warm = Candidate("a", cached_blocks=18, recent_requests=20)
+    others = [Candidate("b", recent_requests=10), Candidate("c", recent_requests=10)]
+    # 21 > 1.1 x 41 / 3 + 2 = 17.03: the warm replica is out of bounds, the prefix spills
+    d = policy.choose(req(), [warm, *others])
+    assert d.replica_id in ("b", "c") and d.outcome == SPILLOVER
+    # within bounds it stays warm
+    d = policy.choose(req(), [Candidate("a", cached_blocks=18, recent_requests=13), *others])
+    assert (d.replica_id, d.outcome) == ("a", WARM)
+    # off (None): no request bound at all
+    d = CacheAwarePolicy().choose(req(), [warm, *others])
+    assert (d.replica_id, d.outcome) == ("a", WARM)
+
+
+def test_cold_prefixes_go_where_recent_requests_are_fewest() -> None:
+    policy = CacheAwarePolicy(request_epsilon=0.1, cold_by_requests=True)
+    cands = [
+        Candidate("a", recent_requests=5, inflight_tokens=0),
+        Candidate("b", recent_requests=3, inflight_tokens=200),
+        Candidate("c", recent_requests=4, inflight_tokens=0),
+    ]
+    d = policy.choose(req(), cands)
+    assert (d.replica_id, d.outcome) == ("b", COLD)  # fewest requests, despite its queue
+    # not cold (someone holds a block): the cost decides as before
+    cands[0] = Candidate("a", cached_blocks=10, recent_requests=5)
+    assert policy.choose(req(), cands).replica_id == "a"
+
+
+def test_make_policy_turns_the_request_bound_on_with_cold_placement() -> None:
+    p = make_policy("cache_aware", request_epsilon=0.1)
+    assert isinstance(p, CacheAwarePolicy) and p.request_epsilon == 0.1 and p.cold_by_requests
+    off = make_policy("cache_aware", request_epsilon=None)
+    assert isinstance(off, CacheAwarePolicy) and not off.cold_by_requests

@@ -1,0 +1,484 @@
+"""Offline replay of a load-test workload through the router's real policies and a model of the
+replicas' engines: hit rate, miss attribution and skew in seconds, without a cluster.
+
+Why: on a 2-core machine a SmolLM2 cluster serves ~3 requests/s, so one policy comparison over
+1,000 trace requests takes tens of minutes. Routing quality depends on *which* blocks are where
+and on how loaded each replica looks, far less on exact timings, so a faithful model of those
+two things is enough to explore policies. It must be validated against a real cluster run
+(docs/benchmarks.md has the comparison).
+
+What is real and what is modelled:
+
+- **Real**: the workload (``loadtest.workload.build_workload``: the same token ids as
+  ``prefixmesh loadtest``), block hashes (``prefixmesh.hashing``), the routing policies
+  (``router.policy``), the candidates the router builds (leading cached blocks, leading
+  cached-or-predicted blocks with the predicted-entry TTL, in-flight tokens held until the first
+  token, then the decode tokens until the end, the replica's queued tokens, the larger of the two
+  as load, the rendezvous affinity), and the miss attribution (``router.attribution``).
+- **Modelled**: each replica's engine, as ``replica/scheduler.py`` and ``block_manager.py``
+  work: FIFO admission under a per-step token budget (``max_num_batched_tokens``, chunked
+  prefill), a waiting request matched against the prefix cache when it is admitted, hits
+  referenced (out of the LRU order) while it runs, new blocks allocated by evicting the least
+  recently used cached block, blocks cached as soon as a chunk fills them, released tail first
+  when the request ends; generated tokens take blocks too. The Redis map is exact and instant
+  (the real one lags by one engine step). Step time = ``step_s + prefill_s x prefill tokens +
+  decode_s x decoding sequences``: constants, not measured per step.
+
+```bash
+python -m loadtest.simulate --trace ../shared/data/traces/synthetic_trace.jsonl \
+    --tokens-per-hash-id 16 --max-output-tokens 4 --limit 1000 --arrival closed \
+    --concurrency 8 --replicas 3 --num-blocks 2912 \
+    --compare cache_aware,round_robin,least_loaded
+```
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.ceilings import ceiling
+from loadtest.request import LoadRequest
+from prefixmesh.hashing import block_hashes
+from router.attribution import MISS_KINDS, MissAttribution, PendingMisses
+from router.balance import RecentRequests
+from router.policy import Candidate, Policy, RouteRequest, make_policy
+from router.prompt import fallback_affinity
+
+_MODEL = "sim"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModel:
+    """One replica's engine: pool size, scheduling limits and step-time constants."""
+
+    num_blocks: int = 2912
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    step_s: float = 0.02
+    prefill_s: float = 0.002  # per prefilled token
+    decode_s: float = 0.01  # per decoding sequence
+
+
+@dataclass(slots=True)
+class SimRequest:
+    req: LoadRequest
+    hashes: list[bytes]
+    replica: int = -1
+    send: float = 0.0
+    first_token: float | None = None
+    end: float = 0.0
+    cached_tokens: int = 0
+    computed: int = 0  # prompt + generated tokens computed
+    generated: int = 0
+    held: list[bytes] = field(default_factory=list)  # block keys it references, in order
+    unhashed: int = 0  # blocks it holds that are not (yet) in the prefix cache
+    held_tokens: int = 0  # router in-flight tokens held on its replica
+    misses: PendingMisses | None = None
+    predicted: list[bytes] = field(default_factory=list)  # hashes the router predicted for it
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.token_ids)
+
+    @property
+    def total(self) -> int:
+        return self.prompt_len + self.req.max_tokens
+
+
+class BlockPool:
+    """Prefix cache of one replica: referenced blocks, and cached ones in LRU order."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.refs: dict[bytes, int] = {}  # cached blocks referenced by running requests
+        self.lru: OrderedDict[bytes, None] = OrderedDict()  # cached, unreferenced, oldest first
+        self.unhashed = 0  # blocks in use that hold no full cached block yet
+        self.evicted = 0
+
+    def holds(self, h: bytes) -> bool:
+        return h in self.refs or h in self.lru
+
+    def free(self) -> int:
+        return self.num_blocks - len(self.refs) - len(self.lru) - self.unhashed
+
+    def available(self) -> int:
+        return self.free() + len(self.lru)
+
+    def reference(self, h: bytes) -> None:
+        if h in self.lru:
+            del self.lru[h]
+        self.refs[h] = self.refs.get(h, 0) + 1
+
+    def take(self, n: int) -> None:
+        """Allocate ``n`` fresh blocks, evicting least recently used cached ones."""
+        for _ in range(n):
+            if self.free() <= 0 and self.lru:  # (a full pool of running requests over-commits:
+                self.lru.popitem(last=False)  # the engine would preempt; rare at these sizes)
+                self.evicted += 1
+            self.unhashed += 1
+
+    def cache(self, h: bytes) -> None:
+        """A fresh block became full: it joins the prefix cache (deduplicated by hash)."""
+        self.unhashed -= 1
+        if h in self.refs or h in self.lru:
+            self.reference(h)  # another request computed it too: share, free the duplicate
+        else:
+            self.refs[h] = 1
+
+    def release(self, held: Sequence[bytes], unhashed: int) -> None:
+        """A request ended: its cached blocks rejoin the LRU order tail first."""
+        self.unhashed -= unhashed
+        for h in reversed(held):
+            n = self.refs[h] - 1
+            if n:
+                self.refs[h] = n
+            else:
+                del self.refs[h]
+                self.lru[h] = None
+
+
+class ReplicaSim:
+    def __init__(self, index: int, model: EngineModel) -> None:
+        self.index = index
+        self.id = f"replica-{index}"
+        self.model = model
+        self.pool = BlockPool(model.num_blocks)
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.busy_until: float | None = None
+        self.inflight = 0  # router-held tokens
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def queued_tokens(self) -> int:
+        """What the lease reports: prompt tokens still to prefill plus tokens still to decode."""
+        q = sum(r.total for r in self.waiting)
+        return q + sum(r.total - r.computed for r in self.running)
+
+    def leading(self, hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if not self.pool.holds(h):
+                break
+            n += 1
+        return n
+
+    def _admit(self, r: SimRequest, budget: int) -> int | None:
+        bs = self.model.block_size
+        cacheable = (r.prompt_len - 1) // bs
+        hits = self.leading(r.hashes[:cacheable])
+        computed = hits * bs
+        num_new = min(r.prompt_len - computed, budget)
+        needed = -(-(computed + num_new) // bs) - hits
+        taken = sum(1 for h in r.hashes[:hits] if h in self.pool.lru)
+        if self.pool.available() - taken < needed:
+            return None
+        for h in r.hashes[:hits]:
+            self.pool.reference(h)
+        r.held = list(r.hashes[:hits])
+        self.pool.take(needed)
+        r.unhashed = needed
+        r.computed = computed
+        r.cached_tokens = min(computed, r.prompt_len - 1)
+        return num_new
+
+    def step(self, now: float) -> tuple[float, list[SimRequest], list[SimRequest]]:
+        """One engine step from ``now``: its end time, requests that got their first token,
+        and requests that finished."""
+        bs = self.model.block_size
+        budget = self.model.max_num_batched_tokens
+        plan: list[tuple[SimRequest, int]] = []
+        for r in self.running:
+            if budget <= 0:
+                break
+            n = 1 if r.computed >= r.prompt_len else min(r.prompt_len - r.computed, budget)
+            plan.append((r, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.model.max_num_seqs:
+            r = self.waiting[0]
+            n = self._admit(r, budget)
+            if n is None:
+                break
+            self.waiting.pop(0)
+            self.running.append(r)
+            plan.append((r, n))
+            budget -= n
+        prefill = sum(n for r, n in plan if r.computed < r.prompt_len)
+        decoding = sum(1 for r, n in plan if r.computed >= r.prompt_len)
+        end = now + self.model.step_s + self.model.prefill_s * prefill
+        end += self.model.decode_s * decoding
+        first, done = [], []
+        for r, n in plan:
+            before = r.computed
+            # blocks for the new tokens (those not allocated at admission)
+            need = -(-(before + n) // bs) - (len(r.held) + r.unhashed)
+            if need > 0:
+                self.pool.take(need)
+                r.unhashed += need
+            r.computed = before + n
+            # cache the blocks this chunk filled (generated tokens: unique, never hit)
+            full = r.computed // bs
+            for i in range(len(r.held), full):
+                if r.unhashed <= 0:
+                    break
+                h = r.hashes[i] if i < len(r.hashes) else b"gen-%d-%d" % (r.req.index, i)
+                r.unhashed -= 1
+                self.pool.cache(h)
+                r.held.append(h)
+            if r.computed >= r.prompt_len:
+                if r.first_token is None:
+                    r.first_token = end
+                    r.generated = 1
+                    first.append(r)
+                else:
+                    r.generated += 1
+                if r.generated >= r.req.max_tokens:
+                    r.end = end
+                    done.append(r)
+        for r in done:
+            self.running.remove(r)
+            self.pool.release(r.held, r.unhashed)
+        return end, first, done
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    hit_rate: float
+    requests_per_replica: list[int]
+    hit_rate_per_replica: list[float]
+    misses: dict[str, int]
+    ttft_p50_s: float
+    e2e_p50_s: float
+    duration_s: float
+    evicted_blocks: int
+    decisions: dict[str, int]
+
+    @property
+    def skew(self) -> float:
+        """max / mean requests per replica."""
+        n = self.requests_per_replica
+        return max(n) / (sum(n) / len(n)) if sum(n) else 0.0
+
+
+class Simulation:
+    """One policy over one workload: a discrete-event loop over arrivals and engine steps."""
+
+    def __init__(
+        self,
+        requests: Sequence[LoadRequest],
+        policy: Policy,
+        replicas: int = 3,
+        model: EngineModel = EngineModel(),
+        concurrency: int | None = None,
+        predicted_ttl_s: float = 5.0,
+        hold_predicted: bool = True,
+    ) -> None:
+        self.model = model
+        self.policy = policy
+        self.replicas = [ReplicaSim(i, model) for i in range(replicas)]
+        self.concurrency = concurrency
+        self.predicted_ttl_s = predicted_ttl_s
+        # The router renews a request's predicted entries until its first token: a queued
+        # request keeps its burst together however long it waits (router/routing.py).
+        self.hold_predicted = hold_predicted
+        self.predicted: list[dict[bytes, float]] = [{} for _ in range(replicas)]
+        self.attribution = MissAttribution()
+        self.decisions: dict[str, int] = {}
+        self.recent = RecentRequests()
+        bs = model.block_size
+        self.reqs = [
+            SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt or None))
+            for r in requests
+        ]
+        self._seq = itertools.count()
+        self._events: list[tuple[float, int, str, Any]] = []
+
+    def _push(self, t: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def _candidates(self, r: SimRequest, now: float) -> list[Candidate]:
+        out = []
+        for rep, pred in zip(self.replicas, self.predicted, strict=True):
+            cached = rep.leading(r.hashes)
+            matched = cached
+            while matched < len(r.hashes) and (
+                rep.pool.holds(r.hashes[matched]) or pred.get(r.hashes[matched], 0.0) > now
+            ):
+                matched += 1
+            out.append(
+                Candidate(rep.id, cached, matched, rep.inflight, rep.queued_tokens(),
+                          self.recent.count(rep.id))
+            )  # fmt: skip
+        return out
+
+    def route(self, r: SimRequest, now: float) -> None:
+        bs = self.model.block_size
+        cands = self._candidates(r, now)
+        best = max(c.matched_blocks for c in cands)
+        if r.hashes:
+            affinity = r.hashes[best - 1] if best else r.hashes[-1]
+        else:  # as router.prompt.fallback_affinity: the prompt itself
+            affinity = fallback_affinity(r.req.token_ids, str(r.req.index))
+        rr = RouteRequest(r.prompt_len, len(r.hashes), bs, r.req.max_tokens, affinity)
+        d = self.policy.choose(rr, cands)
+        i = next(k for k, c in enumerate(cands) if c.replica_id == d.replica_id)
+        chosen = cands[i]
+        self.decisions[d.outcome] = self.decisions.get(d.outcome, 0) + 1
+        rep = self.replicas[i]
+        self.recent.add(rep.id)
+        r.replica, r.send, r.held_tokens = i, now, d.weight_tokens
+        rep.inflight += d.weight_tokens
+        r.predicted = r.hashes[chosen.cached_blocks :]
+        hold = float("inf") if self.hold_predicted else now + self.predicted_ttl_s
+        for h in r.predicted:
+            self.predicted[i][h] = max(self.predicted[i].get(h, 0.0), hold)
+        others = max((c.matched_blocks for c in cands if c is not chosen), default=0)
+        r.misses = self.attribution.pending(r.hashes, r.prompt_len, bs, chosen.matched_blocks,
+                                            others)  # fmt: skip
+        rep.waiting.append(r)
+        if rep.busy_until is None:
+            rep.busy_until = now
+            self._push(now, "step", i)
+
+    def run(self) -> SimResult:
+        pending = list(self.reqs)
+        if self.concurrency:
+            for _ in range(min(self.concurrency, len(pending))):
+                self._push(0.0, "send", pending.pop(0))
+        else:
+            for r in pending:
+                self._push(r.req.planned_time or 0.0, "send", r)
+            pending = []
+        done: list[SimRequest] = []
+        now = 0.0
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            if kind == "send":
+                self.route(payload, now)
+                continue
+            rep = self.replicas[payload]
+            if not rep.running and not rep.waiting:
+                rep.busy_until = None
+                continue
+            end, first, finished = rep.step(now)
+            for r in first:  # prefill done: only the decode stays outstanding
+                if self.hold_predicted:
+                    pred = self.predicted[payload]
+                    for h in r.predicted:
+                        if pred.get(h) == float("inf"):
+                            pred[h] = end + self.predicted_ttl_s
+                keep = r.req.max_tokens
+                rep.inflight -= max(0, r.held_tokens - keep)
+                r.held_tokens = min(r.held_tokens, keep)
+            for r in finished:
+                rep.inflight -= r.held_tokens
+                rep.requests += 1
+                rep.prompt_tokens += r.prompt_len
+                rep.cached_tokens += r.cached_tokens
+                self.attribution.settle(r.misses, r.cached_tokens)
+                done.append(r)
+                if self.concurrency and pending:
+                    self._push(end, "send", pending.pop(0))
+            rep.busy_until = end
+            self._push(end, "step", payload)
+        return self._result(done, now)
+
+    def _result(self, done: list[SimRequest], end: float) -> SimResult:
+        prompt = sum(r.prompt_tokens for r in self.replicas)
+        cached = sum(r.cached_tokens for r in self.replicas)
+
+        def p50(xs: list[float]) -> float:
+            xs = sorted(xs)
+            return xs[len(xs) // 2] if xs else 0.0
+
+        return SimResult(
+            policy=self.policy.name,
+            hit_rate=cached / prompt if prompt else 0.0,
+            requests_per_replica=[r.requests for r in self.replicas],
+            hit_rate_per_replica=[
+                r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for r in self.replicas
+            ],
+            misses=self.attribution.snapshot(),
+            ttft_p50_s=p50([(r.first_token or r.end) - r.send for r in done]),
+            e2e_p50_s=p50([r.end - r.send for r in done]),
+            duration_s=end,
+            evicted_blocks=sum(r.pool.evicted for r in self.replicas),
+            decisions=dict(sorted(self.decisions.items())),
+        )
+
+
+def simulate(
+    requests: Sequence[LoadRequest],
+    policy: str | Policy,
+    replicas: int = 3,
+    model: EngineModel = EngineModel(),
+    concurrency: int | None = None,
+    policy_factory: Callable[[str], Policy] = make_policy,
+) -> SimResult:
+    p = policy_factory(policy) if isinstance(policy, str) else policy
+    return Simulation(requests, p, replicas, model, concurrency).run()
+
+
+def _row(res: SimResult, cap: float) -> dict[str, Any]:
+    total = res.misses["cacheable"] or 1
+    return {
+        "policy": res.policy,
+        "hit_rate": round(res.hit_rate, 4),
+        "of_capacity_ceiling": round(res.hit_rate / cap, 3) if cap else None,
+        "max/mean requests": round(res.skew, 3),
+        "requests": res.requests_per_replica,
+        **{k: round(res.misses[k] / total, 4) for k in ("hit", *MISS_KINDS)},
+        "ttft_p50_s": round(res.ttft_p50_s, 2),
+        "e2e_p50_s": round(res.e2e_p50_s, 2),
+        "decisions": res.decisions,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtest.cli import build_parser
+    from loadtest.workload import build_workload
+
+    parser = build_parser()
+    parser.prog = "python -m loadtest.simulate"
+    g = parser.add_argument_group("simulation")
+    g.add_argument("--replicas", type=int, default=3)
+    g.add_argument("--num-blocks", type=int, default=2912, help="KV blocks per replica")
+    g.add_argument("--sim-block-size", type=int, default=16)
+    g.add_argument("--prefill-ms", type=float, default=2.0, help="per prefilled token")
+    g.add_argument("--decode-ms", type=float, default=10.0, help="per decoding sequence")
+    g.add_argument("--step-ms", type=float, default=20.0, help="fixed cost of an engine step")
+    g.add_argument("--json", action="store_true", help="one JSON line per policy")
+    args = parser.parse_args(argv)
+    if args.workload is None:
+        args.workload = "trace" if args.trace else "shared-prefix"
+    requests = build_workload(args)
+    model = EngineModel(
+        args.num_blocks, args.sim_block_size, step_s=args.step_ms / 1e3,
+        prefill_s=args.prefill_ms / 1e3, decode_s=args.decode_ms / 1e3,
+    )  # fmt: skip
+    unl = ceiling(requests, model.block_size).hit_rate
+    cap = ceiling(requests, model.block_size, model.num_blocks * args.replicas).hit_rate
+    print(
+        f"{len(requests)} requests; ceilings: unlimited {unl:.4f}, capacity-aware "
+        f"{cap:.4f} ({model.num_blocks * args.replicas} blocks)"
+    )
+    concurrency = args.concurrency if args.arrival == "closed" else None
+    for name in (args.compare or "cache_aware").split(","):
+        res = simulate(requests, name, args.replicas, model, concurrency)
+        row = _row(res, cap)
+        print(json.dumps(row) if args.json else row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

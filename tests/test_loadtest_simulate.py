@@ -1,0 +1,67 @@
+"""The offline routing simulator (loadtest/simulate.py): its replica model against the
+capacity-aware ceiling, and the policies it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loadtest.ceilings import ceiling
+from loadtest.simulate import BlockPool, EngineModel, simulate
+from loadtest.synthetic import SharedPrefixSpec, shared_prefix_requests
+from loadtest.tokens import TokenBlocks
+from loadtest.trace import TraceOptions, trace_requests
+from loadtest.workload import SAMPLE_TRACE
+
+
+def _trace(limit: int, max_tokens: int = 1):
+    from loadtest.trace import read_trace
+
+    blocks = TokenBlocks(16, 49152, 100, 0)
+    reqs = trace_requests(read_trace(SAMPLE_TRACE), blocks, TraceOptions(16, limit=limit))
+    return [dataclasses.replace(r, max_tokens=max_tokens) for r in reqs]
+
+
+@pytest.mark.parametrize(("num_blocks", "max_tokens"), [(64, 1), (64, 8), (256, 4), (100_000, 1)])
+def test_one_replica_one_request_at_a_time_is_the_capacity_aware_ceiling(
+    num_blocks: int, max_tokens: int
+) -> None:
+    # One replica serving one request at a time is exactly one LRU of num_blocks: the
+    # simulator's engine model (admission, chunks, decode steps) must agree with the ceiling.
+    reqs = _trace(120, max_tokens)
+    sim = simulate(reqs, "round_robin", replicas=1, model=EngineModel(num_blocks), concurrency=1)
+    expected = ceiling(reqs, 16, num_blocks)
+    assert sim.hit_rate == pytest.approx(expected.hit_rate)
+    assert sim.requests_per_replica == [120]
+    m = sim.misses
+    assert m["elsewhere"] == 0  # one replica: nowhere else to be
+    assert sum(m[k] for k in ("hit", "compulsory", "evicted", "stale")) == m["cacheable"]
+    if num_blocks == 100_000:  # nothing evicted: every miss is compulsory
+        assert sim.misses["evicted"] == 0 and sim.evicted_blocks == 0
+
+
+def test_block_pool_references_evicts_lru_and_releases_tail_first() -> None:
+    pool = BlockPool(3)
+    pool.take(2)
+    pool.cache(b"r")
+    pool.cache(b"a")
+    pool.release([b"r", b"a"], 0)  # a joins the LRU order first
+    assert list(pool.lru) == [b"a", b"r"] and pool.free() == 1
+    pool.reference(b"r")
+    pool.take(2)  # one free block, then evicts the oldest unreferenced: a
+    assert not pool.holds(b"a") and pool.holds(b"r") and pool.evicted == 1
+
+
+def test_cache_aware_beats_round_robin_and_keeps_requests_balanced() -> None:
+    spec = SharedPrefixSpec(num_groups=6, prompts_per_group=12, system_prompt_len=256,
+                            question_len=32, output_len=4, zipf=0.8, seed=1)  # fmt: skip
+    reqs = shared_prefix_requests(spec, TokenBlocks(1, 49152, 100, 0))
+    model = EngineModel(num_blocks=256)
+    ca = simulate(reqs, "cache_aware", 3, model, concurrency=4)
+    rr = simulate(reqs, "round_robin", 3, model, concurrency=4)
+    assert ca.hit_rate > rr.hit_rate
+    assert ca.skew <= 1.3, ca.requests_per_replica
+    assert sum(ca.requests_per_replica) == len(reqs)
+    # deterministic: the same inputs give the same answer
+    assert simulate(reqs, "cache_aware", 3, model, concurrency=4).hit_rate == ca.hit_rate
