@@ -118,8 +118,16 @@ async def run_once(
     capacity = opts.capacity_blocks or (after.capacity_blocks if after else None)
     if capacity is None and cluster is not None and after is None:
         capacity = await cluster.replica_num_blocks()
-    sent = {r.index for r in phase.results}
-    add_ceilings(summary, [r for r in measured if r.index in sent], block_size, capacity, warm)
+    # Over the requests that were served: a rejected one (too long, queue full ...) left nothing
+    # in any cache and is not in the achieved rate either.
+    served = {r.index for r in results if r.ok}
+    add_ceilings(
+        summary,
+        [r for r in measured if r.index in served],
+        block_size,
+        capacity,
+        [r for r in warm if r.index in served],
+    )
     return results, summary
 
 

@@ -37,7 +37,7 @@ class RouterConfig:
     # Cost model and load bound (docs/router.md explains them).
     balance_epsilon: float = 1.0
     balance_slack_tokens: int = 512
-    balance_requests_epsilon: float = 0.1
+    balance_requests_epsilon: float = 0.2
     balance_window: int = 256
     tie_tokens: int = 32
     prefill_weight: float = 8.0

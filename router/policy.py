@@ -196,6 +196,7 @@ class CacheAwarePolicy(Policy):
         request_epsilon: float | None = None,
         request_slack: int = 2,
         cold_by_requests: bool = False,
+        cold_load_slack: float | None = None,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -204,6 +205,7 @@ class CacheAwarePolicy(Policy):
         self.request_epsilon = request_epsilon
         self.request_slack = request_slack
         self.cold_by_requests = cold_by_requests
+        self.cold_load_slack = cold_load_slack
 
     @classmethod
     def create(cls, **knobs: float) -> CacheAwarePolicy:
@@ -214,7 +216,7 @@ class CacheAwarePolicy(Policy):
         return cls(
             knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
             knobs["prefill_weight"], request_epsilon,
-            cold_by_requests=request_epsilon is not None,
+            cold_by_requests=request_epsilon is not None, cold_load_slack=knobs["slack_tokens"],
         )  # fmt: skip
 
     def cost(self, request: RouteRequest, candidate: Candidate) -> float:
@@ -253,10 +255,16 @@ class CacheAwarePolicy(Policy):
         if not eligible:
             eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
         if self.cold_by_requests and not any(c.matched_blocks for c in candidates):
-            # No replica holds any of it: place it where it evens out recent requests, keeping
-            # room under the request bound for the warm requests that follow their cache.
+            # No replica holds any of it: among the replicas whose load is within
+            # ``cold_load_slack`` tokens of the least loaded (so TTFT does not suffer), place it
+            # where it evens out recent requests, keeping room under the request bound for the
+            # warm requests that follow their cache.
+            pool = eligible
+            if self.cold_load_slack is not None:
+                floor = min(c.load for c in eligible) + self.cold_load_slack
+                pool = [c for c in eligible if c.load <= floor]
             chosen = min(
-                eligible,
+                pool,
                 key=lambda c: (
                     c.recent_requests,
                     c.load,
@@ -280,7 +288,7 @@ def make_policy(
     slack_tokens: int = 512,
     tie_tokens: int = 32,
     prefill_weight: float = 8.0,
-    request_epsilon: float | None = 0.1,
+    request_epsilon: float | None = 0.2,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
