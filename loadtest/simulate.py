@@ -457,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prefill-ms", type=float, default=2.0, help="per prefilled token")
     g.add_argument("--decode-ms", type=float, default=10.0, help="per decoding sequence")
     g.add_argument("--step-ms", type=float, default=20.0, help="fixed cost of an engine step")
+    g.add_argument("--balance-epsilon", type=float, default=1.0, help="as the router's flag")
+    g.add_argument("--prefill-weight", type=float, default=8.0, help="as the router's flag")
+    g.add_argument(
+        "--balance-requests-epsilon", type=float, default=0.2, help="as the router's flag"
+    )
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
     args = parser.parse_args(argv)
     if args.workload is None:
@@ -473,8 +478,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{cap:.4f} ({model.num_blocks * args.replicas} blocks)"
     )
     concurrency = args.concurrency if args.arrival == "closed" else None
+    eps = args.balance_requests_epsilon
+
+    def factory(name: str) -> Policy:
+        return make_policy(
+            name, epsilon=args.balance_epsilon, prefill_weight=args.prefill_weight,
+            request_epsilon=eps if eps >= 0 else None,
+        )  # fmt: skip
+
     for name in (args.compare or "cache_aware").split(","):
-        res = simulate(requests, name, args.replicas, model, concurrency)
+        res = simulate(requests, name, args.replicas, model, concurrency, factory)
         row = _row(res, cap)
         print(json.dumps(row) if args.json else row)
     return 0
