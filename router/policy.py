@@ -195,8 +195,6 @@ class CacheAwarePolicy(Policy):
         prefill_weight: float = 1.0,
         request_epsilon: float | None = None,
         request_slack: int = 2,
-        cold_by_requests: bool = False,
-        cold_load_slack: float | None = None,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -204,19 +202,13 @@ class CacheAwarePolicy(Policy):
         self.prefill_weight = prefill_weight
         self.request_epsilon = request_epsilon
         self.request_slack = request_slack
-        self.cold_by_requests = cold_by_requests
-        self.cold_load_slack = cold_load_slack
 
     @classmethod
     def create(cls, **knobs: float) -> CacheAwarePolicy:
         bound = knobs.get("request_epsilon", -1.0)  # negative: no request bound
-        request_epsilon = bound if bound >= 0 else None
-        # The request bound and the placement of cold prefixes by recent requests go together:
-        # cold requests even out the counts, so warm ones rarely meet the bound.
         return cls(
             knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
-            knobs["prefill_weight"], request_epsilon,
-            cold_by_requests=request_epsilon is not None, cold_load_slack=knobs["slack_tokens"],
+            knobs["prefill_weight"], bound if bound >= 0 else None,
         )  # fmt: skip
 
     def cost(self, request: RouteRequest, candidate: Candidate) -> float:
@@ -254,24 +246,6 @@ class CacheAwarePolicy(Policy):
         ]
         if not eligible:
             eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
-        if self.cold_by_requests and not any(c.matched_blocks for c in candidates):
-            # No replica holds any of it: among the replicas whose load is within
-            # ``cold_load_slack`` tokens of the least loaded (so TTFT does not suffer), place it
-            # where it evens out recent requests, keeping room under the request bound for the
-            # warm requests that follow their cache.
-            pool = eligible
-            if self.cold_load_slack is not None:
-                floor = min(c.load for c in eligible) + self.cold_load_slack
-                pool = [c for c in eligible if c.load <= floor]
-            chosen = min(
-                pool,
-                key=lambda c: (
-                    c.recent_requests,
-                    c.load,
-                    -rendezvous(request.affinity, c.replica_id),
-                ),
-            )
-            return decide(request, candidates, chosen)
         costs = {c.replica_id: self.cost(request, c) for c in eligible}
         best = min(costs.values())
         tied = [c for c in eligible if costs[c.replica_id] <= best + self.tie_tokens]

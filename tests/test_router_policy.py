@@ -196,26 +196,8 @@ def test_request_bound_spills_a_warm_replica_with_too_many_recent_requests() -> 
     assert (d.replica_id, d.outcome) == ("a", WARM)
 
 
-def test_cold_prefixes_go_where_recent_requests_are_fewest() -> None:
-    policy = CacheAwarePolicy(request_epsilon=0.1, cold_by_requests=True, cold_load_slack=256)
-    cands = [
-        Candidate("a", recent_requests=5, inflight_tokens=0),
-        Candidate("b", recent_requests=3, inflight_tokens=200),
-        Candidate("c", recent_requests=4, inflight_tokens=0),
-    ]
-    d = policy.choose(req(), cands)
-    assert (d.replica_id, d.outcome) == ("b", COLD)  # fewest requests, its queue within slack
-    # a queue beyond the slack rules a replica out, however few its requests
-    cands[1] = Candidate("b", recent_requests=3, inflight_tokens=300)
-    assert policy.choose(req(), cands).replica_id == "c"
-    # not cold (someone holds a block): the cost decides as before
-    cands[0] = Candidate("a", cached_blocks=10, recent_requests=5)
-    assert policy.choose(req(), cands).replica_id == "a"
-
-
-def test_make_policy_turns_the_request_bound_on_with_cold_placement() -> None:
-    p = make_policy("cache_aware", request_epsilon=0.1, slack_tokens=300)
-    assert isinstance(p, CacheAwarePolicy) and p.request_epsilon == 0.1 and p.cold_by_requests
-    assert p.cold_load_slack == 300
+def test_make_policy_passes_the_request_bound() -> None:
+    p = make_policy("cache_aware", request_epsilon=0.1)
+    assert isinstance(p, CacheAwarePolicy) and p.request_epsilon == 0.1
     off = make_policy("cache_aware", request_epsilon=None)
-    assert isinstance(off, CacheAwarePolicy) and not off.cold_by_requests
+    assert isinstance(off, CacheAwarePolicy) and off.request_epsilon is None
