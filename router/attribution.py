@@ -20,7 +20,9 @@ prefix ever seen, compulsory beyond. A replica that serves *more* than the map p
 KV events were late) just leaves fewer misses.
 
 "Seen" is this router's memory (a bounded set of block hashes it routed); with several routers
-a block first routed by another one counts as compulsory here, not evicted.
+a block first routed by another one counts as compulsory here, not evicted. The memory keeps the
+262,144 most recently routed hashes (~40 MB): a block last routed before that counts as
+compulsory too.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class PendingMisses:
 class MissAttribution:
     """Bounded memory of routed block hashes, and the window's counts per miss kind."""
 
-    def __init__(self, max_seen: int = 1_000_000) -> None:
+    def __init__(self, max_seen: int = 262_144) -> None:
         self.max_seen = max_seen
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self.counts: Counter[str] = Counter()
@@ -105,9 +107,13 @@ class MissAttribution:
         self.remember(hashes)
         return pending
 
-    def settle(self, pending: PendingMisses | None, cached_tokens: int) -> None:
-        if pending is not None:
-            self.counts.update(pending.split(cached_tokens))
+    def settle(self, pending: PendingMisses | None, cached_tokens: int) -> dict[str, int]:
+        """Count one finished request; returns its split (empty for None)."""
+        if pending is None:
+            return {}
+        split = pending.split(cached_tokens)
+        self.counts.update(split)
+        return split
 
     def reset(self) -> None:
         """A new stats window: counts restart, the memory of seen blocks stays."""

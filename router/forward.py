@@ -227,7 +227,10 @@ class Forwarder:
                 plan.handle.replica_id, resp.usage.prompt_tokens, resp.usage.cached_tokens
             )
             if plan.misses is not None:  # once per routed request (its first finished sample)
-                self.router.attribution.settle(plan.misses, resp.usage.cached_tokens)
+                for kind, n in self.router.attribution.settle(
+                    plan.misses, resp.usage.cached_tokens
+                ).items():
+                    self.metrics.prompt_blocks.labels(kind).inc(n)
                 plan.misses = None
         return resp
 

@@ -98,6 +98,13 @@ class RouterMetrics:
         )  # fmt: skip
         self.replicas = Gauge("router_live_replicas", "Replicas in the routing set", registry=r)
         self.redis_up = Gauge("router_redis_up", "1 while Redis answers", registry=r)
+        self.prompt_blocks = PromCounter(
+            "router_prompt_blocks",
+            "Cacheable prompt blocks by fate: hit, compulsory, evicted, elsewhere, stale "
+            "(router/attribution.py)",
+            ["kind"],
+            registry=r,
+        )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -106,6 +106,13 @@ def test_each_miss_kind_on_a_crafted_workload(redis_server: str) -> None:
             assert kinds["cacheable"] == 24
             assert kinds.get("compulsory", 0) == kinds.get("evicted", 0) == 0, kinds
 
+            # the same counts, cumulative, as a Prometheus counter
+            reg = c.router.metrics.registry
+            total = dict((await c.cluster.ListReplicas(pb.Empty())).routing.misses)
+            for kind in ("compulsory", "evicted", "elsewhere", "stale", "hit"):
+                value = reg.get_sample_value("router_prompt_blocks_total", {"kind": kind})
+                assert value == total.get(kind, 0), kind
+
     asyncio.run(scenario())
 
 
