@@ -305,14 +305,26 @@ class Router:
             prompt_ids=ids,
             decode_tokens=decode,
             held_tokens=decision.weight_tokens,
-            misses=self.attribution.pending(
-                hashes, route_req.prompt_tokens, route_req.block_size, chosen.matched_blocks,
-                max((c.matched_blocks for c in candidates if c is not chosen), default=0),
-            ),
-        )  # fmt: skip
+        )
+        self._track(plan, route_req, hashes, chosen, candidates)
+        return plan
+
+    def _track(
+        self,
+        plan: RoutePlan,
+        request: RouteRequest,
+        hashes: Sequence[BlockHash],
+        chosen: Candidate,
+        candidates: Sequence[Candidate],
+    ) -> None:
+        """Miss attribution state for the plan, and its predicted blocks to renew until its
+        first token."""
+        elsewhere = max((c.matched_blocks for c in candidates if c is not chosen), default=0)
+        plan.misses = self.attribution.pending(
+            hashes, request.prompt_tokens, request.block_size, chosen.matched_blocks, elsewhere
+        )
         if len(hashes) > chosen.cached_blocks:
             self._awaiting.append((plan, list(hashes[chosen.cached_blocks :])))
-        return plan
 
     @staticmethod
     def _primary_group(handles: Sequence[ReplicaHandle], tokens: PromptTokens) -> GROUP_KEY | None:

@@ -126,7 +126,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "replica": {"prefixmesh", "kernels"},  # the engine: no grpc, no Redis
     "replica.server": {"replica", "prefixmesh", "prefixmesh.openai", "proto"},
     "router": {"prefixmesh", "prefixmesh.openai", "prefixmesh.cli", "proto"},  # no torch
-    "loadtest": {"prefixmesh", "proto"},
+    "loadtest": {"prefixmesh", "proto", "router"},  # router: the simulator replays its policies
 }
 
 
