@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--balance-epsilon", type=float, default=1.0, help="as the router's flag")
     g.add_argument("--prefill-weight", type=float, default=8.0, help="as the router's flag")
     g.add_argument(
-        "--balance-requests-epsilon", type=float, default=0.2, help="as the router's flag"
+        "--balance-requests-epsilon", type=float, default=-1.0, help="as the router's flag"
     )
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
     args = parser.parse_args(argv)

@@ -262,7 +262,7 @@ def make_policy(
     slack_tokens: int = 512,
     tie_tokens: int = 32,
     prefill_weight: float = 8.0,
-    request_epsilon: float | None = 0.2,
+    request_epsilon: float | None = None,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
