@@ -19,6 +19,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -92,76 +93,133 @@ inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t ro
 // One query token per sequence, attending to its whole context through its block table.
 // A work item is one sequence and a range of its KV heads. For each KV head, a first pass
 // reads every cached key once and scores the G query heads that share it (GQA); a softmax;
-// a second pass reads every cached value once and accumulates the G outputs in registers,
-// CH vectors of head_dim at a time.
+// a second pass reads every cached value once and accumulates the G outputs. Heads are taken
+// GB at a time (a compile-time count, so their accumulators stay in registers) and head_dim
+// CH vectors at a time; the rows come from memory in the first of these passes, then from
+// cache.
+
+// exp for the softmax: Sleef's 1-ulp exp in float32 (parity with the torch path), ATen's
+// faster 20-ulp polynomial where keys and values are bfloat16/float16 anyway.
+template <typename T>
+inline fVec softmax_exp(const fVec& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp();
+  } else {
+    return x.exp_u20();
+  }
+}
+
+// Scores of GB query heads against every cached key of one KV head.
+template <typename T, int D, int GB>
+inline void score_heads(const fVec* qv, const T* kc, const int64_t* rows, int64_t len,
+                        int64_t off, float* scores) {
+  constexpr int V = D / W;
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + 4 < len) prefetch(kc + rows[t + 4] + off);
+    const T* k = kc + rows[t] + off;
+    fVec kv[V];
+    for (int i = 0; i < V; ++i) kv[i] = loadf(k + i * W);
+    for (int g = 0; g < GB; ++g) {
+      // Two accumulators: half the dependency chain.
+      fVec a = kv[0] * qv[g * V], b = V > 1 ? kv[1] * qv[g * V + 1] : fVec(0.f);
+      for (int i = 2; i + 1 < V; i += 2) {
+        a = at::vec::fmadd(kv[i], qv[g * V + i], a);
+        b = at::vec::fmadd(kv[i + 1], qv[g * V + i + 1], b);
+      }
+      if constexpr (V % 2 == 1 && V > 1) a = at::vec::fmadd(kv[V - 1], qv[g * V + V - 1], a);
+      scores[g * len + t] = hsum(a + b);
+    }
+  }
+}
+
+// out[g] = sum_t p[g][t] * v[t] for GB heads, CH vectors of head_dim per pass.
+template <typename T, int D, int GB>
+inline void weigh_values(const float* scores, const float* inv_sum, const T* vc,
+                         const int64_t* rows, int64_t len, int64_t off, T* out) {
+  constexpr int V = D / W;
+  // Up to 12 accumulators: they and the loaded values fit the 16 AVX2 registers.
+  constexpr int CAP = std::max(1, 12 / GB);
+  constexpr int CH = V % 4 == 0 && CAP >= 4 ? 4 : (V % 2 == 0 && CAP >= 2 ? 2 : 1);
+  for (int c = 0; c < V; c += CH) {
+    fVec acc[GB][CH];
+    for (int g = 0; g < GB; ++g)
+      for (int i = 0; i < CH; ++i) acc[g][i] = fVec(0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      if (t + 4 < len) prefetch(vc + rows[t + 4] + off + c * W);
+      const T* v = vc + rows[t] + off + c * W;
+      fVec vv[CH];
+      for (int i = 0; i < CH; ++i) vv[i] = loadf(v + i * W);
+      for (int g = 0; g < GB; ++g) {
+        const fVec p(scores[g * len + t]);
+        for (int i = 0; i < CH; ++i) acc[g][i] = at::vec::fmadd(p, vv[i], acc[g][i]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      const fVec norm(inv_sum[g]);
+      for (int i = 0; i < CH; ++i) storef(out + g * D + (c + i) * W, acc[g][i] * norm);
+    }
+  }
+}
+
+// Softmax numerators in place; returns 1 / their sum (applied once, to the outputs).
+template <typename T>
+inline float softmax_row(float* s, int64_t len) {
+  fVec mx(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + W <= len; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
+  float m = at::vec::vec_reduce_all<float>(
+      [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, mx);
+  for (; t < len; ++t) m = std::max(m, s[t]);
+  fVec sum(0.f);
+  const fVec mv(m);
+  t = 0;
+  for (; t + W <= len; t += W) {
+    const fVec e = softmax_exp<T>(fVec::loadu(s + t) - mv);
+    e.store(s + t);
+    sum = sum + e;
+  }
+  float total = hsum(sum);
+  for (; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    total += s[t];
+  }
+  return 1.f / total;
+}
+
+template <typename T, int D, int GB>
+void attend_heads(const fVec* qv, const T* kc, const T* vc, const int64_t* rows, int64_t len,
+                  int64_t off, float* scores, T* out) {
+  score_heads<T, D, GB>(qv, kc, rows, len, off, scores);
+  float inv_sum[GB];
+  for (int g = 0; g < GB; ++g) inv_sum[g] = softmax_row<T>(scores + g * len, len);
+  weigh_values<T, D, GB>(scores, inv_sum, vc, rows, len, off, out);
+}
+
 template <typename T, int D>
 void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
                  const int32_t* table, int64_t len, int64_t kvh_begin, int64_t kvh_end,
                  int64_t G, int64_t BS, int64_t row, float scale, float* scores, T* out) {
   constexpr int V = D / W;
   static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
-  // Vectors of head_dim accumulated at once: the largest divisor of V up to 4.
-  constexpr int CH = V % 4 == 0 ? 4 : (V % 3 == 0 ? 3 : (V % 2 == 0 ? 2 : 1));
-  constexpr int64_t AHEAD = 4;  // tokens prefetched ahead
-  // Each token's row offset in the caches, worked out once (block by block, no divisions):
-  // the passes below visit every token up to 1 + G * V / CH times.
+  // Each token's row offset in the caches, worked out once (block by block, no divisions).
   std::vector<int64_t> rows(len);
   token_rows(table, len, BS, row, rows.data());
-  auto slot = [&](int64_t t) { return rows[t]; };
   std::vector<fVec> qv(G * V);
-  std::vector<float> inv_sum(G);
   for (int64_t kvh = kvh_begin; kvh < kvh_end; ++kvh) {
     for (int64_t g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i)
         qv[g * V + i] = loadf(q + (kvh * G + g) * q_head_stride + i * W) * fVec(scale);
     const int64_t off = kvh * D;
-    // Scores: q . k for every cached token.
-    for (int64_t t = 0; t < len; ++t) {
-      if (t + AHEAD < len) prefetch(kc + slot(t + AHEAD) + off);
-      const T* k = kc + slot(t) + off;
-      fVec kv[V];
-      for (int i = 0; i < V; ++i) kv[i] = loadf(k + i * W);
-      for (int64_t g = 0; g < G; ++g) {
-        fVec a = kv[0] * qv[g * V];
-        for (int i = 1; i < V; ++i) a = at::vec::fmadd(kv[i], qv[g * V + i], a);
-        scores[g * len + t] = hsum(a);
-      }
-    }
-    // Softmax numerators (normalized at the end, once per output).
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = scores + g * len;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-      fVec sum(0.f), mv(m);
-      int64_t t = 0;
-      for (; t + W <= len; t += W) {
-        const fVec e = (fVec::loadu(s + t) - mv).exp();
-        e.store(s + t);
-        sum = sum + e;
-      }
-      float total = hsum(sum);
-      for (; t < len; ++t) {
-        s[t] = std::exp(s[t] - m);
-        total += s[t];
-      }
-      inv_sum[g] = 1.f / total;
-    }
-    // Weighted sum of the values, one query head and CH vectors of head_dim at a time, so
-    // the accumulators stay in registers; the rows come from memory once (first pass), then
-    // from cache.
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = scores + g * len;
-      for (int c = 0; c < V; c += CH) {
-        fVec acc[CH];
-        for (int i = 0; i < CH; ++i) acc[i] = fVec(0.f);
-        for (int64_t t = 0; t < len; ++t) {
-          if (g == 0 && t + AHEAD < len) prefetch(vc + slot(t + AHEAD) + off + c * W);
-          const T* v = vc + slot(t) + off + c * W;
-          const fVec pt(p[t]);
-          for (int i = 0; i < CH; ++i) acc[i] = at::vec::fmadd(pt, loadf(v + i * W), acc[i]);
-        }
-        const fVec norm(inv_sum[g]);
-        for (int i = 0; i < CH; ++i) storef(out + (kvh * G + g) * D + (c + i) * W, acc[i] * norm);
+    // Heads in groups of up to 4 (SmolLM2's 3, Llama's 4 and 8, Qwen's 7 = 4 + 3).
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const fVec* qg = qv.data() + g0 * V;
+      T* og = out + (kvh * G + g0) * D;
+      const int64_t* r = rows.data();
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: attend_heads<T, D, 1>(qg, kc, vc, r, len, off, scores, og); break;
+        case 2: attend_heads<T, D, 2>(qg, kc, vc, r, len, off, scores, og); break;
+        case 3: attend_heads<T, D, 3>(qg, kc, vc, r, len, off, scores, og); break;
+        default: attend_heads<T, D, 4>(qg, kc, vc, r, len, off, scores, og); break;
       }
     }
   }
