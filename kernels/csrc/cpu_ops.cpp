@@ -98,10 +98,10 @@ inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t ro
 // CH vectors at a time; the rows come from memory in the first of these passes, then from
 // cache.
 
-// exp for the softmax: Sleef's 1-ulp exp in float32 (parity with the torch path), ATen's
-// faster 20-ulp polynomial where keys and values are bfloat16/float16 anyway.
+// exp for the softmax and SiLU: Sleef's 1-ulp exp in float32 (parity with the torch path and
+// Hugging Face), ATen's faster polynomial where the tensors are bfloat16/float16 anyway.
 template <typename T>
-inline fVec softmax_exp(const fVec& x) {
+inline fVec exp_for(const fVec& x) {
   if constexpr (std::is_same_v<T, float>) {
     return x.exp();
   } else {
@@ -174,7 +174,7 @@ inline float softmax_row(float* s, int64_t len) {
   const fVec mv(m);
   t = 0;
   for (; t + W <= len; t += W) {
-    const fVec e = softmax_exp<T>(fVec::loadu(s + t) - mv);
+    const fVec e = exp_for<T>(fVec::loadu(s + t) - mv);
     e.store(s + t);
     sum = sum + e;
   }
@@ -398,7 +398,7 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t inter) {
       int64_t i = 0;
       for (; i + W <= inter; i += W) {
         const fVec x = loadf(g + i);
-        storef(o + i, x / (one + x.neg().exp()) * loadf(u + i));
+        storef(o + i, x / (one + exp_for<T>(x.neg())) * loadf(u + i));
       }
       for (; i < inter; ++i) {
         const float x = to_float(g[i]);
