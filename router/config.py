@@ -13,9 +13,11 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
-from prefixmesh import settings
+from prefixmesh import limits, settings, tenants, tls
 from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS
 from router.policy import POLICIES
+
+_LIMITS = limits.RequestLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,21 @@ class RouterConfig:
     http_port: int = 0
     api_key: str = field(default="", repr=False)
     replica_api_key: str = field(default="", repr=False)
+    # Request limits (prefixmesh/limits.py), tenant caps (prefixmesh/tenants.py) and TLS
+    # (prefixmesh/tls.py): defaults written down once, in those modules.
+    max_n: int = _LIMITS.max_n
+    max_stop: int = _LIMITS.max_stop
+    max_stop_len: int = _LIMITS.max_stop_len
+    max_id_len: int = _LIMITS.max_id_len
+    max_priority: int = _LIMITS.max_priority
+    max_message_bytes: int = _LIMITS.max_message_bytes
+    retry_after_s: float = _LIMITS.retry_after_s
+    tenant_max_concurrent: int = 0
+    tenant_max_queued_tokens: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    tls_ca: str = ""
     # Cost model and load bound (docs/router.md explains them).
     balance_epsilon: float = 1.0
     balance_slack_tokens: int = 512
@@ -107,6 +124,9 @@ _HELP: dict[str, str] = {
     "keepalive_s": "gRPC keepalive ping interval on busy replica channels (finds a host that "
     "vanished without closing its connections)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    **limits.HELP,
+    **tenants.HELP,
+    **tls.HELP,
 }
 
 
@@ -138,6 +158,8 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         problems.append(f"--max-attempts must be >= 1 (got {config.max_attempts})")
     if config.predicted_ttl_ms < 1:
         problems.append(f"--predicted-ttl-ms must be >= 1 (got {config.predicted_ttl_ms})")
+    problems += limits.check_limits(limits.RequestLimits.from_config(config))
+    problems += tls.TlsFiles.from_config(config).problems()
     if problems:
         raise SystemExit("prefixmesh router: " + "; ".join(problems))
     return config

@@ -26,6 +26,7 @@ import grpc
 
 from prefixmesh.auth import bearer_metadata
 from prefixmesh.hashing import HASH_SCHEME
+from prefixmesh.tls import TlsFiles, aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -133,6 +134,7 @@ class ReplicaView:
         self.dead_grace_s = dead_grace_s
         # Sent with every call to a replica; None (not ()) is what a call without any wants.
         self.metadata = bearer_metadata(api_key) or None
+        self.tls: TlsFiles | None = None  # prefixmesh/tls.py: TLS to the replicas when set
         # (replica id, epoch, status code) of GetModelInfo failures already logged: a failing
         # replica is asked again every discovery round, but logged once until it answers.
         self._reported: set[tuple[str, str, str]] = set()
@@ -171,7 +173,7 @@ class ReplicaView:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        channel = grpc.aio.insecure_channel(lease.address, options=options)
+        channel = aio_channel(lease.address, self.tls, options=options)
         handle = ReplicaHandle(
             replica_id=replica_id,
             lease=lease,

@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from prefixmesh.limits import RequestLimits, abort_busy, check_request, retry_metadata
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
+from prefixmesh.tenants import TenantBusy, TenantLimiter, Ticket, tenant_of_call
 from proto import prefixmesh_pb2 as pb
-from router.discovery import ReplicaHandle
+from router.discovery import GROUP_KEY, ReplicaHandle
 from router.routing import NoReplicaError, RoutePlan, Router
 
 log = logging.getLogger("prefixmesh.router")
@@ -77,12 +79,46 @@ class _Progress:
 class Forwarder:
     """Runs ``Generator.Generate`` for the router's servicer."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(
+        self,
+        router: Router,
+        limits: RequestLimits | None = None,
+        tenants: TenantLimiter | None = None,
+    ) -> None:
         self.router = router
         self.metrics = router.metrics
+        self.limits = limits or RequestLimits()  # prefixmesh/limits.py
+        self.tenants = tenants  # prefixmesh/tenants.py (None: no tenant caps)
 
     async def generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Bounds first (the replicas check them too, but the router need not route a request
+        they will refuse), then the tenant's share, then the stream."""
+        try:
+            check_request(request, self.limits)
+        except ValueError as exc:
+            self.metrics.error("INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        ticket: Ticket | None = None
+        if self.tenants is not None:
+            try:
+                ticket = self.tenants.admit(tenant_of_call(request.cache_salt, context))
+            except TenantBusy as exc:
+                self.metrics.error("RESOURCE_EXHAUSTED")
+                await abort_busy(context, str(exc), self.limits.retry_after_s)
+        try:
+            async for msg in self._generate(request, context, ticket):
+                yield msg
+        finally:
+            if ticket is not None:
+                ticket.close()
+
+    async def _generate(
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        ticket: Ticket | None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
         if not request.request_id:
@@ -92,19 +128,18 @@ class Forwarder:
         queue = [_Attempt(request, list(range(n)))]
         excluded: set[str] = set()
         tries = failures = 0
+        busy = ""  # the last RESOURCE_EXHAUSTED a replica answered
         prompt_ids: list[int] | None = None
         group = None
         while queue:
             attempt = queue[0]
             tries += 1
-            try:
-                plan = await self.router.route(attempt.request, frozenset(excluded), group)
-            except NoReplicaError as exc:
-                self.metrics.error("UNAVAILABLE")
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            plan = await self._route(attempt, frozenset(excluded), group, busy, context)
             attempt.plan = plan
             if prompt_ids is None and attempt.request is request:
                 prompt_ids = plan.prompt_ids
+            if ticket is not None and tries == 1:
+                await self._queue_tokens(ticket, plan, context)
             handle = plan.handle
             timeout = context.time_remaining()
             call = handle.generator.Generate(
@@ -116,6 +151,8 @@ class Forwarder:
                 async for resp in call:
                     if not progress.streamed:
                         self.metrics.ttft.observe(time.perf_counter() - arrival)
+                        if ticket is not None:
+                            ticket.started()
                     progress.streamed = True
                     plan.settle_prefill()
                     yield self._observe(resp, attempt, progress, prompt_ids)
@@ -123,6 +160,8 @@ class Forwarder:
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 failures += 1
+                if code in _BUSY:
+                    busy = (exc.details() or code.name).split("; retry after")[0]
                 await self._abort_if_final(exc, handle, failures, context)
                 if code is grpc.StatusCode.UNAVAILABLE:
                     self.router.view.mark_dead(handle.replica_id)
@@ -152,6 +191,38 @@ class Forwarder:
                 if not call.done():
                     call.cancel()
 
+    async def _route(
+        self,
+        attempt: _Attempt,
+        excluded: frozenset[str],
+        group: GROUP_KEY | None,
+        busy: str,
+        context: grpc.aio.ServicerContext,
+    ) -> RoutePlan:
+        """Route one attempt. No replica left: RESOURCE_EXHAUSTED when the last ones answered
+        that they were full (``busy``), overload rather than an outage; UNAVAILABLE otherwise."""
+        try:
+            return await self.router.route(attempt.request, excluded, group)
+        except NoReplicaError as exc:
+            if busy:  # every replica left was full: overload, not an outage
+                self.metrics.error("RESOURCE_EXHAUSTED")
+                await abort_busy(context, f"every replica is busy ({busy})",
+                                 self.limits.retry_after_s)  # fmt: skip
+            self.metrics.error("UNAVAILABLE")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise  # not reached: abort raises
+
+    async def _queue_tokens(
+        self, ticket: Ticket, plan: RoutePlan, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Count the prompt against its tenant's queued tokens (prefixmesh/tenants.py)."""
+        try:
+            ticket.queue_tokens(len(plan.prompt_ids or ()))
+        except TenantBusy as exc:
+            plan.release()
+            self.metrics.error("RESOURCE_EXHAUSTED")
+            await abort_busy(context, str(exc), self.limits.retry_after_s)
+
     async def _abort_if_final(
         self,
         exc: grpc.aio.AioRpcError,
@@ -166,6 +237,8 @@ class Forwarder:
             await context.abort(code, self.router.view.key_refused(handle))
         if code not in _REPLICA_FAILURES | _BUSY or failures >= self.router.config.max_attempts:
             self.metrics.error(code.name)
+            if code in _BUSY:  # prefixmesh/limits.py: when to try again
+                context.set_trailing_metadata(retry_metadata(self.limits.retry_after_s))
             await context.abort(code, exc.details() or code.name)
 
     def _resumes(

@@ -20,8 +20,12 @@ from grpc_reflection.v1alpha import reflection
 
 from prefixmesh import event_loop
 from prefixmesh.auth import ApiKeyInterceptor
+from prefixmesh.grpc_guard import DecodeGuardInterceptor
+from prefixmesh.limits import RequestLimits
 from prefixmesh.openai.doors import loopback, open_front_door
 from prefixmesh.openai.http import FrontDoor, OpenAIHttpServer
+from prefixmesh.tenants import TenantLimiter, TenantLimits
+from prefixmesh.tls import TlsFiles
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig, parse_config
@@ -133,22 +137,25 @@ class RouterServer:
         self.config = config
         self.metrics = RouterMetrics()
         self.router = Router(config, self.metrics)
+        # -- limits, tenants and TLS (prefixmesh/limits.py, tenants.py, tls.py) --
+        self.limits = RequestLimits.from_config(config)
+        self.tls = TlsFiles.from_config(config)
+        self.router.view.tls = self.tls  # the replica channels: --tls-ca, own cert for mTLS
+        tenant_limits = TenantLimits.from_config(config)
+        self.tenants = (
+            TenantLimiter(tenant_limits, self.metrics.registry) if tenant_limits.enabled else None
+        )
         # -- API key (prefixmesh/auth.py): every gRPC call but health and reflection --
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
-        self.server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ],
-        )
+        interceptors.append(DecodeGuardInterceptor())  # undecodable body: INVALID_ARGUMENT
+        self.server = grpc.aio.server(interceptors=interceptors, options=self.limits.grpc_options())
         self.port = 0
         self.health = health.aio.HealthServicer()
         self.http: OpenAIHttpServer | None = None
 
     async def start(self) -> int:
         pb_grpc.add_GeneratorServicer_to_server(
-            GeneratorServicer(Forwarder(self.router)), self.server
+            GeneratorServicer(Forwarder(self.router, self.limits, self.tenants)), self.server
         )
         pb_grpc.add_ClusterServicer_to_server(ClusterServicer(self.router), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -159,7 +166,7 @@ class RouterServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = self.tls.add_port(self.server, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise SystemExit(
                 f"prefixmesh router: cannot bind {self.config.host}:{self.config.port}"
@@ -201,6 +208,8 @@ class RouterServer:
             ready=ready,
             registry=self.metrics.registry,
             api_key=self.config.api_key,
+            limits=self.limits,
+            tls=self.tls,
         )
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -25,8 +25,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prefixmesh.auth import bearer_metadata, bearer_ok
+from prefixmesh.limits import RequestLimits, retry_after, room_from_error
 from prefixmesh.openai.format import ResponseBuilder, token_text_fn
 from prefixmesh.openai.schema import OpenAIError, ParsedRequest, parse_chat, parse_completion
+from prefixmesh.tls import TlsFiles, aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -58,19 +60,23 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> OpenAIError:
     """An upstream gRPC failure as the OpenAI error a client should see."""
     status, type_ = _STATUS.get(exc.code(), (500, "internal_error"))
     details = exc.details() or exc.code().name
-    return OpenAIError(status, details, _field_named(details, exc.code()), type_, exc.code().name)
+    err = OpenAIError(status, details, _field_named(details, exc.code()), type_, exc.code().name)
+    if exc.code() is _C.RESOURCE_EXHAUSTED:  # prefixmesh/limits.py: when to try again
+        hint = retry_after(exc.trailing_metadata())
+        err.headers["Retry-After"] = hint if hint is not None else "1"
+    return err
 
 
 def _field_named(details: str, code: grpc.StatusCode) -> str | None:
     """The request field an INVALID_ARGUMENT message starts with ("max_tokens must be ...")."""
     if code is not _C.INVALID_ARGUMENT:
         return None
-    word = details.split(" ", 1)[0].strip("'\":,")
+    word = details.split(" ", 1)[0].split("=", 1)[0].strip("'\":,")
     return word if word.replace("_", "").replace(".", "").isalnum() and word.islower() else None
 
 
 def error_response(err: OpenAIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+    return web.json_response(err.body(), status=err.status, headers=err.headers or None)
 
 
 @dataclass(slots=True)
@@ -83,6 +89,8 @@ class FrontDoor:
     ready: Callable[[], tuple[bool, dict[str, Any]]]  # ``/health``: ok, details
     registry: CollectorRegistry  # served on ``/metrics``
     api_key: str = ""
+    limits: RequestLimits = RequestLimits()  # prefixmesh/limits.py: the body size bound
+    tls: TlsFiles = TlsFiles()  # prefixmesh/tls.py: HTTPS, and TLS to its own gRPC port
 
 
 class _Upstream:
@@ -146,7 +154,9 @@ class OpenAIHttpServer:
         self._stub: pb_grpc.GeneratorStub | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._auth])
+        app = web.Application(
+            client_max_size=self.door.limits.max_message_bytes, middlewares=[self._auth]
+        )
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -156,8 +166,9 @@ class OpenAIHttpServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful with port 0)."""
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = aio_channel(
             self.door.grpc_target,
+            self.door.tls.loopback(),
             options=[
                 ("grpc.max_receive_message_length", _MAX_BODY),
                 ("grpc.max_send_message_length", _MAX_BODY),
@@ -168,7 +179,9 @@ class OpenAIHttpServer:
         # the upstream call (non-streaming requests included).
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(
+            self._runner, self.host, self.port, ssl_context=self.door.tls.http_context()
+        )
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         self.port = sockets[0].getsockname()[1] if sockets else self.port
@@ -212,6 +225,12 @@ class OpenAIHttpServer:
             body = await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise OpenAIError(400, f"request body is not valid JSON: {exc}") from exc
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise OpenAIError(
+                413,
+                f"request body is larger than {self.door.limits.max_message_bytes} bytes "
+                "(the server's --max-message-bytes)",
+            ) from exc
         if not isinstance(body, dict):
             raise OpenAIError(400, "request body must be a JSON object")
         return body
@@ -246,25 +265,38 @@ class OpenAIHttpServer:
         self, request: web.Request, parse: Callable[[dict[str, Any]], ParsedRequest]
     ) -> web.StreamResponse:
         try:
-            parsed = parse(await self._body(request))
+            body = await self._body(request)
+            parsed = parse(body)
         except OpenAIError as err:
             return error_response(err)
         assert self._stub is not None, "start() first"
         builder = ResponseBuilder(
             parsed, self._model(parsed.model), token_text_fn(self.door.tokenizer())
         )
-        upstream = _Upstream(self._stub, parsed.requests, bearer_metadata(self.door.api_key))
-        messages = aiter(upstream)
-        try:
+        # A chat without max_tokens means "until the context is full" (OpenAI): when the
+        # default does not fit, ask again for what does (prefixmesh/limits.py check_context).
+        fill = parsed.kind == "chat" and all(
+            body.get(k) is None for k in ("max_tokens", "max_completion_tokens")
+        )
+        while True:
+            upstream = _Upstream(self._stub, parsed.requests, bearer_metadata(self.door.api_key))
+            messages = aiter(upstream)
             try:
-                first = await anext(messages)
-            except OpenAIError as err:  # nothing sent yet: a proper HTTP status
-                return error_response(err)
-            if not parsed.stream:
-                return await self._whole(builder, first, messages)
-            return await self._stream(request, builder, first, messages)
-        finally:
-            upstream.cancel()
+                try:
+                    first = await anext(messages)
+                except OpenAIError as err:  # nothing sent yet: a proper HTTP status
+                    room = room_from_error(err.message) if fill else None
+                    if room is None:
+                        return error_response(err)
+                    fill = False
+                    for r in parsed.requests:
+                        r.sampling.max_tokens = room
+                    continue
+                if not parsed.stream:
+                    return await self._whole(builder, first, messages)
+                return await self._stream(request, builder, first, messages)
+            finally:
+                upstream.cancel()
 
     async def _whole(
         self,

@@ -37,6 +37,7 @@ class OpenAIError(Exception):
         self.param = param
         self.type = type_
         self.code = code
+        self.headers: dict[str, str] = {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return {

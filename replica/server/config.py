@@ -13,10 +13,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixmesh import settings
+from prefixmesh import limits, settings, tenants, tls
 
 if TYPE_CHECKING:
     from replica.config import EngineConfig
+
+
+_LIMITS = limits.RequestLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,21 @@ class ServerConfig:
     metrics_port: int = 0
     http_port: int = 0  # OpenAI-compatible HTTP (prefixmesh/openai/http.py)
     api_key: str = field(default="", repr=False)  # prefixmesh/auth.py; never in a log line
+    # Request limits (prefixmesh/limits.py), tenant caps (prefixmesh/tenants.py) and TLS
+    # (prefixmesh/tls.py): defaults written down once, in those modules.
+    max_n: int = _LIMITS.max_n
+    max_stop: int = _LIMITS.max_stop
+    max_stop_len: int = _LIMITS.max_stop_len
+    max_id_len: int = _LIMITS.max_id_len
+    max_priority: int = _LIMITS.max_priority
+    max_message_bytes: int = _LIMITS.max_message_bytes
+    retry_after_s: float = _LIMITS.retry_after_s
+    tenant_max_concurrent: int = 0
+    tenant_max_queued_tokens: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    tls_ca: str = ""
     grace_period: float = 10.0
     attention_backend: str = "auto"
     device: str = "cpu"
@@ -134,6 +152,9 @@ _HELP: dict[str, str] = {
     "is the baseline for measurements)",
     "seed": "engine seed for requests that set none",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    **limits.HELP,
+    **tenants.HELP,
+    **tls.HELP,
 }
 
 
@@ -166,5 +187,7 @@ def _check(config: ServerConfig) -> None:
         problems.append(f"--grace-period must be >= 0 (got {config.grace_period})")
     if config.block_size < 1:
         problems.append(f"--block-size must be >= 1 (got {config.block_size})")
+    problems += limits.check_limits(limits.RequestLimits.from_config(config))
+    problems += tls.TlsFiles.from_config(config).problems()
     if problems:
         raise SystemExit("prefixmesh replica: " + "; ".join(problems))

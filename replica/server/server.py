@@ -29,7 +29,11 @@ from grpc_reflection.v1alpha import reflection
 
 from prefixmesh import event_loop
 from prefixmesh.auth import ApiKeyInterceptor
+from prefixmesh.grpc_guard import DecodeGuardInterceptor
 from prefixmesh.hashing import HASH_SCHEME
+from prefixmesh.limits import RequestLimits
+from prefixmesh.tenants import TenantLimiter, TenantLimits
+from prefixmesh.tls import TlsFiles
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from replica.server.admission import Admission
@@ -46,8 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("prefixmesh.replica")
 
 _GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
     ("grpc.so_reuseport", 0),  # a second replica on a taken port must fail, not share it
 ]
 
@@ -59,6 +61,9 @@ class ReplicaServer:
         self.config = config
         self.engine = engine
         self.replica_id = config.replica_id
+        self.limits = RequestLimits.from_config(config)  # prefixmesh/limits.py
+        self.tls = TlsFiles.from_config(config)  # prefixmesh/tls.py
+        self.tenants: TenantLimiter | None = None  # prefixmesh/tenants.py, set in start()
         self.address = ""
         self.port = 0
         self.admission = Admission(config.max_queue)
@@ -83,8 +88,11 @@ class ReplicaServer:
 
         # -- API key (prefixmesh/auth.py): every gRPC call but health and reflection --
         interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-        server = grpc.aio.server(interceptors=interceptors, options=_GRPC_OPTIONS)
-        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        interceptors.append(DecodeGuardInterceptor())  # undecodable body: INVALID_ARGUMENT
+        server = grpc.aio.server(
+            interceptors=interceptors, options=_GRPC_OPTIONS + self.limits.grpc_options()
+        )
+        self.port = self.tls.add_port(server, f"{cfg.host}:{cfg.port}")
         if not self.port:
             raise SystemExit(f"prefixmesh replica: cannot bind {cfg.host}:{cfg.port}")
         self.replica_id = cfg.resolved_replica_id(self.port)  # may name the bound port
@@ -96,6 +104,9 @@ class ReplicaServer:
         )
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+        tenant_limits = TenantLimits.from_config(cfg)
+        if tenant_limits.enabled:
+            self.tenants = TenantLimiter(tenant_limits, self.metrics.registry)
         services = self._add_services(server, self.loop, self.metrics)
 
         self.loop.start()
@@ -139,7 +150,9 @@ class ReplicaServer:
             vocab_size=int(engine.model_config.vocab_size),
             tokenizer=engine.tokenizer,
         )
-        generator = GeneratorService(loop, self.admission, model, metrics)
+        generator = GeneratorService(
+            loop, self.admission, model, metrics, self.limits, self.tenants
+        )
         replica = ReplicaService(loop, self.admission, model, self._epoch)
         pb_grpc.add_GeneratorServicer_to_server(generator, server)
         pb_grpc.add_ReplicaServicer_to_server(replica, server)
@@ -171,6 +184,8 @@ class ReplicaServer:
             ready=ready,
             registry=self.metrics.registry,
             api_key=cfg.api_key,
+            limits=self.limits,
+            tls=self.tls,
         )
         return await open_front_door(door, cfg.host, cfg.http_port)
 

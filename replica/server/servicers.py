@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from prefixmesh.hashing import HASH_SCHEME
+from prefixmesh.limits import RequestLimits, abort_busy, check_context, check_request
+from prefixmesh.tenants import TenantBusy, TenantLimiter, Ticket, tenant_of_call
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -60,11 +62,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         admission: Admission,
         model: ServedModel,
         metrics: ReplicaMetrics,
+        limits: RequestLimits,
+        tenants: TenantLimiter | None = None,
     ) -> None:
         self.loop = loop
         self.admission = admission
         self.model = model
         self.metrics = metrics
+        self.limits = limits  # prefixmesh/limits.py: bounded requests
+        self.tenants = tenants  # prefixmesh/tenants.py: one tenant cannot starve others
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: Ctx
@@ -75,17 +81,23 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
         engine_id = uuid.uuid4().hex  # client ids may collide; the engine's must not
         try:
+            check_request(request, self.limits)  # prefixmesh/limits.py: bounded requests
             req = engine_request(
                 request, self.model.tokenizer, self.model.vocab_size,
                 request_id=engine_id, arrival_time=arrival,
             )  # fmt: skip
+            if request.sampling.HasField("max_tokens"):
+                max_tokens = req.engine.params.max_tokens + req.num_resumed
+                check_context(req.num_prompt_tokens, max_tokens, self.model.max_model_len)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if admission.queue_full():
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            await abort_busy(
+                context,
                 f"waiting queue is full ({admission.max_queue} requests); retry elsewhere",
+                self.limits.retry_after_s,
             )
+        ticket = await self._tenant_ticket(request, req, context)
         client_id = request.request_id or uuid.uuid4().hex
         admission.enter()
         waiting, handle, done = True, None, False
@@ -99,13 +111,30 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 if waiting:
                     waiting = False
                     admission.first_output()
+                    if ticket is not None:
+                        ticket.started()
                 yield msg
             done = True
         finally:
+            if ticket is not None:
+                ticket.close()
             if handle is not None and not done:
                 loop.abort(engine_id)  # cancelled, deadline expired or failed: free blocks
             loop.release(engine_id)
             admission.leave(still_waiting=waiting)
+
+    async def _tenant_ticket(
+        self, request: pb.GenerateRequest, req: MappedRequest, context: Ctx
+    ) -> Ticket | None:
+        """The tenant's admission (None without tenant caps); over its cap: RESOURCE_EXHAUSTED."""
+        if self.tenants is None:
+            return None
+        try:
+            ticket = self.tenants.admit(tenant_of_call(request.cache_salt, context))
+            ticket.queue_tokens(len(req.prompt_token_ids))
+        except TenantBusy as exc:
+            await abort_busy(context, str(exc), self.limits.retry_after_s)
+        return ticket
 
     async def _stream(
         self,

@@ -1,0 +1,85 @@
+"""Undecodable gRPC request bodies answer INVALID_ARGUMENT, not ``UNKNOWN``. Torch-free.
+
+gRPC decodes a request before any handler runs; when the bytes are not a valid message of the
+method's type, grpc.aio answers ``UNKNOWN: Unexpected DecodeError``, a status clients treat as
+a server fault (the router would even retry it elsewhere). ``DecodeGuardInterceptor`` wraps
+each method's deserializer so that a decode failure becomes a marker value, and the handler
+answers ``INVALID_ARGUMENT`` naming the message type. Used by replicas and routers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+
+class _Undecodable:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _safe(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, and anything a custom decoder raises
+            return _Undecodable(exc)
+
+    return decode
+
+
+async def _refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"request body could not be decoded: {request.error}",
+    )
+
+
+def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` with a deserializer that never raises (unary requests only)."""
+    kwargs = {
+        "request_deserializer": _safe(handler.request_deserializer),
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.response_streaming:
+        inner_stream = handler.unary_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await _refuse(request, context)
+            async for message in inner_stream(request, context):
+                yield message
+
+        return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+    inner_unary = handler.unary_unary
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await _refuse(request, context)
+        return await inner_unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+
+
+class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+    """Turns decode failures of unary-request methods into INVALID_ARGUMENT (put it last, so it
+    wraps the handler the other interceptors chose)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if (
+            handler is None
+            or handler.request_streaming
+            or handler.request_deserializer is None
+            or not (handler.unary_unary or handler.unary_stream)
+        ):
+            return handler
+        return _guarded(handler)
