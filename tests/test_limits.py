@@ -106,7 +106,9 @@ RAW = [
 
 
 def _ok(stub: pb_grpc.GeneratorStub) -> None:
-    msgs = list(stub.Generate(pb.GenerateRequest(text="still here", sampling=greedy(2)), timeout=30))
+    msgs = list(
+        stub.Generate(pb.GenerateRequest(text="still here", sampling=greedy(2)), timeout=30)
+    )
     assert msgs[-1].finish_reason == "length"
 
 
