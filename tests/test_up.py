@@ -240,3 +240,38 @@ def test_supervisor_sets_a_spec_env_on_top_of_its_own(monkeypatch) -> None:
     child.proc.wait(timeout=30)
     sup.shutdown()
     assert "env        | yes given" in out.getvalue()
+
+
+def _exited_child(name: str, critical: bool = False):  # noqa: ANN202
+    from prefixmesh.procs import Child
+
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    return Child(spec=ProcessSpec(name, ["x"], critical=critical), proc=proc, started_at=0.0)
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_up_keeps_serving_when_redis_or_a_replica_dies(restart: bool) -> None:
+    """Defaults restart children; Redis (and a replica) dying never stops the cluster; only
+    the router dying under --no-restart does."""
+    cfg = up_cli.parse_config([] if restart else ["--no-restart"])
+    assert cfg.restart is restart
+    out = io.StringIO()
+    sup = Supervisor(LogSink(out=out), grace_s=0)
+    cluster = up_cli.Cluster(cfg, plan=None, sup=sup, stop=None)  # type: ignore[arg-type]
+    for name in ("redis", "replica-0"):
+        cluster._on_exit(_exited_child(name))
+        assert not cluster.failed, out.getvalue()
+        assert (name in cluster._due) is restart
+    cluster._on_exit(_exited_child("router", critical=True))
+    assert cluster.failed is not restart
+    assert ("restarting router in 1s" in out.getvalue()) is restart
+    if not restart:
+        assert "keep serving without the shared prefix map" in out.getvalue()
+
+
+def test_up_plan_redis_is_not_critical(monkeypatch) -> None:
+    monkeypatch.setattr(up_cli, "find_redis_server", lambda: "redis-server")
+    plan = up_cli.make_plan(up_cli.parse_config(["--replicas", "1"]))
+    assert plan.redis_spec is not None and not plan.redis_spec.critical
+    assert plan.router_spec.critical

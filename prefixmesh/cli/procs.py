@@ -42,7 +42,7 @@ def _die_with_parent() -> None:
 
 @dataclass(frozen=True, slots=True)
 class ProcessSpec:
-    """What to run: ``critical`` children (router, Redis) take the cluster down when they die
+    """What to run: ``critical`` children (the router) take the cluster down when they die
     and are not restarted. ``env`` is set on top of the supervisor's own environment (or, with
     ``inherit_env=False``, is the whole environment); it may hold secrets (an API key stays out
     of ``argv``, which is logged and shown by ``ps``)."""

@@ -4,6 +4,12 @@ Start order: Redis (embedded unless ``--redis`` is given), the model resolved on
 replicas do not fetch/convert it at once), the replicas (each waited for until gRPC health says
 SERVING), then the router. Every child's output is streamed with a ``name |`` prefix. Ctrl-C or
 SIGTERM stops the router, then the replicas, then Redis (SIGTERM, grace period, SIGKILL).
+
+It keeps serving by default: a child that dies is restarted on the same port with backoff (1 s,
+doubling to 30 s); ``--no-restart`` leaves it dead. Redis dying never stops the cluster (the
+router routes from its local view and replicas keep serving; they resync the prefix map when
+Redis is back); only the router dying under ``--no-restart`` does, since nothing is left to
+serve clients then.
 ``--api-key`` reaches the router and every replica through their environment, never their
 command lines (which are logged).
 """
@@ -50,7 +56,7 @@ class UpConfig:
     block_size: int = 16
     threads: int = 0
     metrics: bool = False
-    restart: bool = False
+    restart: bool = True
     grace_period: float = 15.0  # the replica drains for 10 s by default
     startup_timeout: float = 600.0
     color: bool = True
@@ -133,7 +139,8 @@ def _supervision_flags(parser: argparse.ArgumentParser, d: UpConfig) -> None:
         "--restart",
         action=argparse.BooleanOptionalAction,
         default=d.restart,
-        help="restart a child that dies (with backoff)",
+        help="restart a child that dies, on the same port, with backoff (1 s doubling to 30 s); "
+        "--no-restart leaves it dead (the cluster then stops only if the router dies)",
     )
     parser.add_argument(
         "--grace-period",
@@ -237,9 +244,8 @@ def make_plan(cfg: UpConfig) -> Plan:
     redis_url = cfg.redis
     if not redis_url:
         port = free_port(inner_host)
-        redis_spec = ProcessSpec(
-            REDIS, redis_command(port, inner_host, find_redis_server()), critical=True
-        )
+        # Not critical: the router and the replicas serve on without Redis.
+        redis_spec = ProcessSpec(REDIS, redis_command(port, inner_host, find_redis_server()))
         redis_url = f"redis://{inner_host}:{port}/0"
     metrics: dict[str, int] = {}
     # Set even when empty, so an explicit `--api-key ""` beats a PREFIXMESH_API_KEY in the
@@ -408,10 +414,15 @@ class Cluster:
             self.sup.log(f"restarting {child.name} in {delay:.0f}s")
             self._due[child.name] = (time.monotonic() + delay, child.spec, child.restarts + 1)
         elif child.spec.critical:
-            self.sup.log(f"{child.name} is required: stopping the cluster (--restart restarts it)")
+            self.sup.log(f"{child.name} is required: stopping the cluster (--no-restart is set)")
             self.failed = True
+        elif child.name == REDIS:
+            self.sup.log(
+                "redis is not restarted (--no-restart): the router and the replicas keep "
+                "serving without the shared prefix map"
+            )
         else:
-            self.sup.log(f"{child.name} is not restarted (pass --restart to restart it)")
+            self.sup.log(f"{child.name} is not restarted (--no-restart is set)")
 
 
 def _children_import_this_tree() -> None:
