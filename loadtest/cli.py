@@ -23,7 +23,7 @@ from loadtest.runner import RunLimits
 from loadtest.slo import parse_slo
 from loadtest.tokens import DEFAULT_MIN_TOKEN_ID, DEFAULT_VOCAB_SIZE
 from loadtest.workload import SAMPLE_TRACE, WORKLOADS, build_workload
-from prefixmesh import event_loop
+from prefixmesh import event_loop, tls
 
 
 def _target_flags(p: argparse.ArgumentParser) -> None:
@@ -50,6 +50,7 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
         help="API key of the target, router or replica (env PREFIXMESH_API_KEY): HTTP "
         "'Authorization: Bearer', gRPC metadata (also for --cluster)",
     )
+    tls.add_client_flags(g)  # gRPC targets and --cluster (prefixmesh/tls.py)
     g.add_argument(
         "--model",
         default=None,
@@ -245,11 +246,16 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         model=args.model,
         # closed loop: one connection per worker; open loop: as many as requests in flight
         max_connections=args.concurrency if args.arrival == "closed" else 0,
+        tls_files=tls.client_files(args),
     )
     cluster_addr = args.cluster
     if cluster_addr is None:
         cluster_addr = args.target if protocol == "grpc" else "none"
-    cluster = None if cluster_addr.lower() == "none" else ClusterClient(cluster_addr, api_key)
+    cluster = (
+        None
+        if cluster_addr.lower() == "none"
+        else ClusterClient(cluster_addr, api_key, tls.client_files(args))
+    )
     try:
         await client.wait_ready(timeout=30.0)
         if args.compare:

@@ -7,6 +7,8 @@ imported only when asked for, so a gRPC run does not load aiohttp and an HTTP ru
 
 from __future__ import annotations
 
+from typing import Any
+
 from loadtest.client import GenerateClient
 
 PROTOCOLS = ("grpc", "http")
@@ -25,13 +27,14 @@ def make_client(
     api_key: str = "",
     model: str | None = None,
     max_connections: int = 0,
+    tls_files: Any = None,
 ) -> GenerateClient:
     """A client for ``target``; ``channels`` is gRPC's pool, ``max_connections`` HTTP's (0: no
     cap), ``model`` the HTTP body's ``model`` (None: the server's first)."""
     if protocol == "grpc":
         from loadtest.grpc_client import GrpcClient
 
-        return GrpcClient(target, channels=channels, api_key=api_key)
+        return GrpcClient(target, channels=channels, api_key=api_key, tls_files=tls_files)
     if protocol == "http":
         from loadtest.http_client import HttpClient
 

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from loadtest.grpc_client import channel_options
+from prefixmesh.tls import aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -112,8 +113,8 @@ def cluster_delta(before: ClusterSnapshot, after: ClusterSnapshot) -> dict[str, 
 class ClusterClient:
     """Thin async wrapper over the router's Cluster service."""
 
-    def __init__(self, target: str, api_key: str = "") -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options(-1))
+    def __init__(self, target: str, api_key: str = "", tls_files: Any = None) -> None:
+        self._channel = aio_channel(target, tls_files, options=channel_options(-1))
         self._stub = pb_grpc.ClusterStub(self._channel)
         # A router started with --api-key wants it as gRPC metadata (prefixmesh.auth).
         self._md = (("authorization", f"Bearer {api_key}"),) if api_key else None

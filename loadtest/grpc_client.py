@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from loadtest.client import Chunk, ClientError, GenerateClient
 from loadtest.request import LoadRequest
+from prefixmesh.tls import aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -38,14 +40,16 @@ def build_request(request: LoadRequest) -> pb.GenerateRequest:
 class GrpcClient(GenerateClient):
     """A small pool of ``grpc.aio`` channels shared by all requests (round robin)."""
 
-    def __init__(self, target: str, channels: int = 1, api_key: str = "") -> None:
+    def __init__(
+        self, target: str, channels: int = 1, api_key: str = "", tls_files: Any = None
+    ) -> None:
         if channels < 1:
             raise ValueError(f"channels must be >= 1 (got {channels})")
         self.target = target
         # A router started with --api-key wants it as gRPC metadata (prefixmesh.auth).
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channels = [
-            grpc.aio.insecure_channel(target, options=channel_options(i)) for i in range(channels)
+            aio_channel(target, tls_files, options=channel_options(i)) for i in range(channels)
         ]
         self._stubs = [pb_grpc.GeneratorStub(c) for c in self._channels]
         self._next = itertools.cycle(range(channels))

@@ -113,6 +113,12 @@ def check_request(request: pb.GenerateRequest, limits: RequestLimits) -> None:
             raise ValueError(
                 f"stop[{i}] must be at most {limits.max_stop_len} characters (got {len(stop)})"
             )
+    for name, ids in (("token_ids.ids", request.token_ids.ids),
+                      ("resume_token_ids", request.resume_token_ids)):  # fmt: skip
+        # Negative ids are never tokens; the router hashes them before any replica sees them.
+        if ids and min(ids) < 0:
+            i = next(i for i, t in enumerate(ids) if t < 0)
+            raise ValueError(f"{name}[{i}] must be a token id >= 0 (got {ids[i]})")
     if request.HasField("resume_text_chars") and request.resume_text_chars < 0:
         raise ValueError(f"resume_text_chars must be >= 0 (got {request.resume_text_chars})")
 

@@ -46,6 +46,8 @@ def test_check_request_names_the_field_and_the_bound():
         "cache_salt": pb.GenerateRequest(cache_salt="x" * 9),
         "priority": pb.GenerateRequest(priority=-11),
         "resume_text_chars": pb.GenerateRequest(resume_text_chars=-1),
+        "token_ids.ids[2]": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, -3])),
+        "resume_token_ids[0]": pb.GenerateRequest(resume_token_ids=[-1]),
     }
     for prefix, request in cases.items():
         with pytest.raises(ValueError, match=r"^" + prefix.replace("[", r"\[")):

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from prefixmesh import tls
 from prefixmesh.auth import bearer_metadata, client_api_key, missing_key_hint
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="API key of the router (or replica) started with --api-key, sent as gRPC metadata "
         "'authorization: Bearer <key>' [env PREFIXMESH_API_KEY] (value not shown)",
     )
+    tls.add_client_flags(parser)
     parser.add_argument(
         "--chat",
         action="store_true",
@@ -118,13 +120,14 @@ def stream(
     echo: bool = True,
     connect_timeout_s: float = 10.0,
     api_key: str = "",
+    tls_files: tls.TlsFiles | None = None,
 ) -> GenerateResult:
     """Run one Generate call, writing text deltas to stdout as they arrive if ``echo``.
 
     Raises ConnectionError if nothing accepts a connection on ``address`` in time.
     """
     result = GenerateResult()
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address, tls_files) as channel:  # TLS with --tls-ca
         try:
             grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -174,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     api_key = client_api_key(args.api_key)
     try:
         result = stream(
-            args.router, request, args.timeout, not args.json, args.connect_timeout, api_key
+            args.router,
+            request,
+            args.timeout,
+            not args.json,
+            args.connect_timeout,
+            api_key,
+            tls.client_files(args),
         )
     except ConnectionError as err:
         print(f"prefixmesh generate: {err}", file=sys.stderr)

@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from prefixmesh import tls
 from prefixmesh.auth import bearer_metadata, client_api_key, missing_key_hint
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
@@ -41,13 +42,19 @@ class Poller:
     """Keeps one channel to the router and one per replica address across refreshes."""
 
     def __init__(
-        self, router: str, replica_stats: bool = True, timeout_s: float = 2.0, api_key: str = ""
+        self,
+        router: str,
+        replica_stats: bool = True,
+        timeout_s: float = 2.0,
+        api_key: str = "",
+        tls_files: tls.TlsFiles | None = None,
     ) -> None:
         self.router = router
         self.replica_stats = replica_stats
         self.timeout_s = timeout_s
         self._metadata = bearer_metadata(api_key) or None
-        self._router_channel = grpc.insecure_channel(router)
+        self._tls = tls_files  # --tls-ca (+ client certificate): the replicas' CA too
+        self._router_channel = tls.channel(router, tls_files)
         self._cluster = pb_grpc.ClusterStub(self._router_channel)
         self._replicas: dict[str, tuple[grpc.Channel, pb_grpc.ReplicaStub]] = {}
 
@@ -72,7 +79,7 @@ class Poller:
         if not address:
             return None
         if address not in self._replicas:
-            channel = grpc.insecure_channel(address)
+            channel = tls.channel(address, self._tls)
             self._replicas[address] = (channel, pb_grpc.ReplicaStub(channel))
         stub = self._replicas[address][1]
         return stub.GetStats(pb.Empty(), timeout=self.timeout_s, metadata=self._metadata)
@@ -186,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="API key sent to the router and to each replica (for their stats) as gRPC "
         "metadata 'authorization: Bearer <key>' [env PREFIXMESH_API_KEY] (value not shown)",
     )
+    tls.add_client_flags(parser)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument(
@@ -200,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     api_key = client_api_key(args.api_key)
-    poller = Poller(args.router, replica_stats=args.replica_stats, api_key=api_key)
+    poller = Poller(
+        args.router, replica_stats=args.replica_stats, api_key=api_key,
+        tls_files=tls.client_files(args),
+    )  # fmt: skip
     # A pipe gets a wide fixed console, so one frame is one table, not a wrapped one.
     console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
     try:

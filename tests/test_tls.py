@@ -1,0 +1,183 @@
+"""TLS end to end: client -> router over TLS, router -> replica over mutual TLS, HTTPS on both
+front doors, and plaintext or certificate-less clients refused.
+
+A throwaway CA and three leaf certificates (replica, router, client), each naming 127.0.0.1,
+are generated in the test with ``cryptography``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import ssl
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from mini_cluster import ROOT, MiniCluster, start_mini_cluster
+
+from prefixmesh.tls import TlsFiles
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.cluster
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
+    path.write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ))  # fmt: skip
+
+
+def make_pki(folder: Path) -> dict[str, Path]:
+    """ca.pem plus <role>.pem / <role>.key for replica, router and client."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder().subject_name(_name("prefixmesh test CA"))
+        .issuer_name(_name("prefixmesh test CA")).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = {"ca": folder / "ca.pem"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    for role in ("replica", "router", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder().subject_name(_name(f"prefixmesh {role}"))
+            .issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([
+                ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH,
+            ]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )  # fmt: skip
+        paths[role] = folder / f"{role}.pem"
+        paths[f"{role}_key"] = folder / f"{role}.key"
+        paths[role].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_key(key, paths[f"{role}_key"])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, pki: dict[str, Path]) -> Iterator[MiniCluster]:
+    """Replica: TLS, requires client certificates from the CA (mTLS). Router: TLS to clients
+    (no client certificate needed), mTLS to the replica with its own certificate."""
+    client = TlsFiles(str(pki["client"]), str(pki["client_key"]), "", str(pki["ca"]))
+    c = start_mini_cluster(
+        str(tiny_model_dir),
+        replica_args=("--tls-cert", str(pki["replica"]), "--tls-key", str(pki["replica_key"]),
+                      "--tls-client-ca", str(pki["ca"]), "--tls-ca", str(pki["ca"])),
+        # From the environment, as compose and k8s hand them over.
+        router_env={"PREFIXMESH_TLS_CERT": str(pki["router"]),
+                    "PREFIXMESH_TLS_KEY": str(pki["router_key"]),
+                    "PREFIXMESH_TLS_CA": str(pki["ca"])},
+        client_tls=client, namespace="tls",
+    )  # fmt: skip
+    yield c
+    c.stop()
+
+
+def _generate(channel: grpc.Channel) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(
+        text="hello over tls",
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+    )
+    return list(pb_grpc.GeneratorStub(channel).Generate(request, timeout=30))
+
+
+def test_client_router_replica_over_mtls(cluster: MiniCluster, pki: dict[str, Path]):
+    ca_only = TlsFiles(ca=str(pki["ca"]))
+    with cluster.channel(cluster.router_grpc, ca_only) as ch:  # no client cert needed here
+        msgs = _generate(ch)
+    assert msgs[-1].finish_reason == "length" and msgs[-1].replica_id == "tls-0"
+    assert msgs[-1].usage.completion_tokens == 4
+    with cluster.channel(cluster.replica_grpc) as ch:  # with the client certificate
+        assert _generate(ch)[-1].finish_reason == "length"
+
+
+def test_plaintext_and_certless_clients_are_refused(cluster: MiniCluster, pki: dict[str, Path]):
+    for address in (cluster.router_grpc, cluster.replica_grpc):
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as err:
+            _generate(ch)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, address
+    # The replica wants a client certificate signed by the CA: trusting it is not enough.
+    with cluster.channel(cluster.replica_grpc, TlsFiles(ca=str(pki["ca"]))) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(ch)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Plain HTTP to the HTTPS front door gets no answer.
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{cluster.router_http}/health", timeout=5).read()
+
+
+def _https(url: str, context: ssl.SSLContext, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60, context=context) as resp:
+        return json.loads(resp.read())
+
+
+def test_https_front_doors(cluster: MiniCluster, pki: dict[str, Path]):
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
+    reply = _https(f"https://{cluster.router_http}/v1/completions", context, body)
+    assert reply["usage"]["completion_tokens"] == 3
+    # The replica's door requires a client certificate too (mTLS) ...
+    with pytest.raises((ssl.SSLError, OSError)):
+        _https(f"https://{cluster.replica_http}/v1/completions", context, body)
+    # ... and with one it answers (its door reaches its own gRPC port over mTLS).
+    context.load_cert_chain(str(pki["client"]), str(pki["client_key"]))
+    reply = _https(f"https://{cluster.replica_http}/v1/completions", context, body)
+    assert reply["usage"]["completion_tokens"] == 3
+
+
+def test_generate_and_top_take_tls_ca(cluster: MiniCluster, pki: dict[str, Path]):
+    cli = [sys.executable, "-m", "prefixmesh.cli"]
+    gen = subprocess.run(
+        [*cli, "generate", "--router", cluster.router_grpc, "--tls-ca", str(pki["ca"]),
+         "--max-tokens", "3", "--temperature", "0", "--ignore-eos", "hi"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    assert "3 tokens (length)" in gen.stderr, gen.stderr
+    top = subprocess.run(
+        [*cli, "top", "--router", cluster.router_grpc, "--once", "--tls-ca", str(pki["ca"]),
+         "--tls-cert", str(pki["client"]), "--tls-key", str(pki["client_key"])],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert top.returncode == 0, top.stderr
+    assert "tls-0" in top.stdout
+    plain = subprocess.run(
+        [*cli, "generate", "--router", cluster.router_grpc, "--connect-timeout", "2", "hi"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert plain.returncode != 0
