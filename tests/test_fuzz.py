@@ -59,6 +59,14 @@ def _opt(strategy: st.SearchStrategy) -> st.SearchStrategy:
     return st.one_of(st.none(), strategy)
 
 
+def _ids(max_size: int) -> st.SearchStrategy[list[int]]:
+    """Token id lists, often longer than a KV block (16), where the router starts hashing."""
+    return st.one_of(
+        st.lists(_small_or(INT32), max_size=8),
+        st.lists(_small_or(INT32), min_size=16, max_size=max_size),
+    )
+
+
 TEXT = st.text(max_size=60)
 ROLES = st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), TEXT)
 
@@ -98,9 +106,9 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     )
     kind = draw(st.sampled_from(["text", "token_ids", "chat", "none"]))
     if kind == "text":
-        request.text = draw(st.text(max_size=200))
+        request.text = draw(st.one_of(st.text(max_size=200), st.text(min_size=60, max_size=300)))
     elif kind == "token_ids":
-        request.token_ids.ids.extend(draw(st.lists(_small_or(INT32), max_size=40)))
+        request.token_ids.ids.extend(draw(_ids(40)))
         request.token_ids.SetInParent()
     elif kind == "chat":
         for role, content in draw(st.lists(st.tuples(ROLES, TEXT), max_size=4)):
@@ -110,7 +118,7 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         if flag is not None:
             request.chat.add_generation_prompt = flag
     request.sampling.CopyFrom(draw(sampling_params()))
-    request.resume_token_ids.extend(draw(st.lists(_small_or(INT32), max_size=20)))
+    request.resume_token_ids.extend(draw(_ids(24)))
     chars = draw(_opt(_small_or(INT32)))
     if chars is not None:
         request.resume_text_chars = chars
