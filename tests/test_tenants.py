@@ -1,0 +1,106 @@
+"""Tenant limits: per cache_salt (else API key) caps on concurrent requests and queued prompt
+tokens, RESOURCE_EXHAUSTED beyond them, rejections counted per tenant in Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from mini_cluster import MiniCluster, start_mini_cluster
+from prometheus_client import CollectorRegistry, generate_latest
+
+from prefixmesh.tenants import DEFAULT_TENANT, TenantBusy, TenantLimiter, TenantLimits, tenant_of
+from proto import prefixmesh_pb2 as pb
+from proto import prefixmesh_pb2_grpc as pb_grpc
+
+# -- unit ---------------------------------------------------------------------------------------
+
+
+def test_tenant_names_are_fingerprints():
+    assert tenant_of("", None) == DEFAULT_TENANT
+    salt = tenant_of("acme-secret-salt")
+    assert salt.startswith("salt:") and "acme" not in salt
+    assert tenant_of("", "Bearer sk-1") == tenant_of("", "Bearer  sk-1 ") != tenant_of("", "x")
+    assert tenant_of("s", "Bearer k") == tenant_of("s")  # the salt wins
+
+
+def test_limiter_caps_concurrency_and_queued_tokens_and_counts_rejections():
+    registry = CollectorRegistry()
+    limiter = TenantLimiter(TenantLimits(2, 100), registry)
+    a1, a2 = limiter.admit("a"), limiter.admit("a")
+    with pytest.raises(TenantBusy, match="2 requests in flight"):
+        limiter.admit("a")
+    b = limiter.admit("b")  # another tenant is not affected
+    a1.queue_tokens(80)
+    with pytest.raises(TenantBusy, match="80 prompt tokens queued"):
+        a2.queue_tokens(30)
+    assert limiter.concurrent == {"a": 1, "b": 1}  # the refused ticket was closed
+    b.queue_tokens(500)  # a lone request over the cap still runs (else it never could)
+    a1.started()
+    a3 = limiter.admit("a")
+    a3.queue_tokens(90)  # a1's tokens left the queue when it started
+    for ticket in (a1, a3, b, b):  # close is idempotent
+        ticket.close()
+    assert limiter.concurrent == {} and limiter.queued_tokens == {}
+    text = generate_latest(registry).decode()
+    assert 'prefixmesh_tenant_rejections_total{reason="concurrent",tenant="a"} 1.0' in text
+    assert 'prefixmesh_tenant_rejections_total{reason="queued_tokens",tenant="a"} 1.0' in text
+
+
+# -- real processes -------------------------------------------------------------------------------
+
+CAP = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path) -> Iterator[MiniCluster]:
+    caps = ("--tenant-max-concurrent", str(CAP), "--tenant-max-queued-tokens", "4000")
+    c = start_mini_cluster(
+        str(tiny_model_dir), replica_args=caps, router_args=caps, namespace="ten"
+    )
+    yield c
+    c.stop()
+
+
+async def _burst(address: str, salts: list[str]) -> list[grpc.StatusCode]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.GeneratorStub(ch)
+
+        async def one(i: int, salt: str) -> grpc.StatusCode:
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5 + i] * 24), cache_salt=salt,
+                sampling=pb.SamplingParams(max_tokens=100, temperature=0, ignore_eos=True),
+            )  # fmt: skip
+            try:
+                async for _ in stub.Generate(request, timeout=120):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        return await asyncio.gather(*(one(i, s) for i, s in enumerate(salts)))
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("target", ["replica", "router"])
+def test_flooding_tenant_is_capped_and_the_other_is_served(cluster: MiniCluster, target: str):
+    address = cluster.replica_grpc if target == "replica" else cluster.router_grpc
+    salts = ["flood"] * 8 + ["calm"] * CAP
+    codes = asyncio.run(_burst(address, salts))
+    flood, calm = codes[:8], codes[8:]
+    assert calm == [grpc.StatusCode.OK] * CAP, calm  # within its own cap: never refused
+    assert set(flood) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, flood
+    assert flood.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 8 - CAP, flood
+    http = cluster.replica_http if target == "replica" else cluster.router_http
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    flood_tenant = tenant_of("flood")
+    line = f'prefixmesh_tenant_rejections_total{{reason="concurrent",tenant="{flood_tenant}"}}'
+    assert line in metrics, metrics[-2000:]
+    assert tenant_of("calm") not in metrics.split("prefixmesh_tenant_rejections_total", 1)[1]
+    state = cluster.wait_idle()
+    assert state.integrity_ok, state.integrity_error
