@@ -159,6 +159,12 @@ class EngineLoop:
     def _apply_commands(self) -> None:
         while self._commands:
             command = self._commands.popleft()
+            # A caller cancelled while its command was queued (a client gone mid-submit) wants
+            # no result; setting one on its cancelled future would raise InvalidStateError
+            # here and fail every request in flight. Marking it running also stops a cancel
+            # from landing between now and set_result.
+            if command.future is not None and not command.future.set_running_or_notify_cancel():
+                continue
             try:
                 result = command.fn(self.engine)
             except BaseException as exc:  # handed to the caller, never kills the thread
