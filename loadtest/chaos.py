@@ -12,8 +12,8 @@ integrity of every replica once idle (no block still referenced, no request in f
 
 Schedule: comma-separated ``TARGET@SECONDS`` (seconds after the replay starts), TARGET one of
 ``replica-K``, ``redis``, ``router``. Clients do not retry (``--client-retries`` lets them retry
-a request that failed before its first token, as a careful client does when the router itself
-restarts). Every request has a deadline (``--request-timeout``); the run is bounded by the
+a failed request as a careful client does when the router itself restarts, resuming from the
+tokens it already got with ``resume_token_ids``). Every request has a deadline (``--request-timeout``); the run is bounded by the
 trace window and ``--limit``.
 """
 
@@ -63,6 +63,7 @@ class Outcome:
     replicas: list[str] = field(default_factory=list)  # in the order the stream used them
     tokens: int = 0
     client_retries: int = 0
+    client_resumed: bool = False
     ttft_s: float | None = None
     detail: str = ""
 
@@ -74,6 +75,7 @@ class ChaosReport:
     failed: int
     resumed: int
     client_retried: int
+    client_resumed: int
     failures: dict[str, int]
     failure_details: dict[str, int]
     kills: list[dict[str, object]]
@@ -94,16 +96,30 @@ async def _one(
     stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, out: Outcome, timeout_s: float,
     retries: int,
 ) -> None:  # fmt: skip
+    """One request; with ``retries`` a failed attempt is sent again, and one that already
+    streamed tokens resumes from them (``resume_token_ids`` + ``resume_text_chars``, the same
+    contract the router uses for its own failover), so the client's text is never repeated."""
     started = time.perf_counter()
+    received: list[int] = []
+    chars = 0
     for attempt in range(retries + 1):
         out.client_retries = attempt
+        sent = request
+        if received:
+            sent = pb.GenerateRequest()
+            sent.CopyFrom(request)
+            sent.resume_token_ids[:] = received
+            sent.resume_text_chars = chars
+            out.client_resumed = True
         try:
-            async for msg in stub.Generate(request, timeout=timeout_s):
+            async for msg in stub.Generate(sent, timeout=timeout_s):
                 if msg.replica_id and (not out.replicas or out.replicas[-1] != msg.replica_id):
                     out.replicas.append(msg.replica_id)
                 if msg.token_ids and out.ttft_s is None:
                     out.ttft_s = time.perf_counter() - started
-                out.tokens += len(msg.token_ids)
+                received.extend(msg.token_ids)
+                chars += len(msg.text)
+                out.tokens = len(received)
                 if msg.finish_reason:
                     out.status = "OK"
                     return
@@ -111,7 +127,10 @@ async def _one(
             return
         except grpc.aio.AioRpcError as exc:
             out.status, out.detail = exc.code().name, exc.details() or ""
-            if out.tokens or attempt == retries:
+            if len(received) >= request.sampling.max_tokens:  # only the last message was lost
+                out.status = "OK"
+                return
+            if attempt == retries:
                 return
             await asyncio.sleep(0.5 * (attempt + 1))
 
@@ -179,6 +198,7 @@ def summarize(
         failed=sum(o.status != "OK" for o in outcomes),
         resumed=sum(len(o.replicas) > 1 for o in outcomes),
         client_retried=sum(o.client_retries > 0 for o in outcomes),
+        client_resumed=sum(o.client_resumed for o in outcomes),
         failures=dict(failures),
         failure_details=dict(details.most_common(5)),
         kills=kills,
@@ -192,7 +212,8 @@ def summarize(
 def print_report(report: ChaosReport) -> None:
     print(
         f"sent {report.sent}  ok {report.ok}  failed {report.failed}  resumed {report.resumed}  "
-        f"client-retried {report.client_retried}  ({report.wall_s}s)"
+        f"client-retried {report.client_retried} (resumed {report.client_resumed})  "
+        f"({report.wall_s}s)"
     )
     if report.failures:
         print("failures: " + ", ".join(f"{k} {v}" for k, v in sorted(report.failures.items())))
