@@ -9,7 +9,7 @@ reports the calm tenant's TTFT percentiles in both phases, their ratio (the issu
 within 1.5x of running alone), what the flood got done and how often it was refused, and the
 router's ``prefixmesh_tenant_rejections_total`` counters.
 
-    python -m loadtest.fairness --tenant-max-concurrent 2 --tenant-max-queued-tokens 1024
+    python -m loadtest.fairness --tenant-max-concurrent 4 --tenant-max-queued-tokens 512
     python -m loadtest.fairness --tenant-max-concurrent 0 --tenant-max-queued-tokens 0  # baseline
 """
 
@@ -29,6 +29,7 @@ import grpc
 
 from loadtest.tokens import DEFAULT_VOCAB_SIZE, TokenBlocks
 from loadtest.upcluster import UpCluster
+from prefixmesh.limits import retry_after
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -90,7 +91,12 @@ async def measure(router: str, args: argparse.Namespace, flood: bool, seed: int)
                         "refused" if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED else "failed"
                     )
                     counts[key] += 1
-                    await asyncio.sleep(0.05)  # an impatient client: straight back
+                    hint = retry_after(exc.trailing_metadata())
+                    # A client that honours the retry-after hint, or (--flood-ignores-retry-
+                    # after) one that comes straight back; on one machine the latter's refused
+                    # calls compete with the servers for the same cores.
+                    wait = 0.05 if args.flood_ignores_retry_after or hint is None else float(hint)
+                    await asyncio.sleep(wait)
 
         workers = [
             asyncio.ensure_future(flooder(w)) for w in range(args.flood_workers if flood else 0)
@@ -154,13 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tenant-max-concurrent",
         type=int,
-        default=2,
+        default=4,
         help="cap per tenant on router and replicas (0 = none: the baseline)",
     )
     p.add_argument(
         "--tenant-max-queued-tokens",
         type=int,
-        default=1024,
+        default=512,
         help="queued prompt tokens cap per tenant (0 = none)",
     )
     p.add_argument("--calm-requests", type=int, default=40)
@@ -175,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=3.0,
         help="seconds the flood runs before the calm tenant starts",
+    )
+    p.add_argument(
+        "--flood-ignores-retry-after",
+        action="store_true",
+        help="the flood retries after 50 ms instead of the server's retry-after",
     )
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument("--seed", type=int, default=0)

@@ -181,3 +181,50 @@ def test_generate_and_top_take_tls_ca(cluster: MiniCluster, pki: dict[str, Path]
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert plain.returncode != 0
+
+
+def test_healthcheck_speaks_tls_from_the_environment(cluster: MiniCluster, pki: dict[str, Path]):
+    """What compose's and the k8s overlay's probes run, with a replica's own variables."""
+    port = cluster.replica_grpc.rsplit(":", 1)[1]
+    env = {
+        "PATH": "/usr/bin:/bin", "PREFIXMESH_PORT": port,
+        "PREFIXMESH_TLS_CERT": str(pki["replica"]), "PREFIXMESH_TLS_KEY": str(pki["replica_key"]),
+        "PREFIXMESH_TLS_CLIENT_CA": str(pki["ca"]), "PREFIXMESH_TLS_CA": str(pki["ca"]),
+    }  # fmt: skip
+    cmd = [sys.executable, "-m", "prefixmesh.healthcheck"]
+    ok = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    plain = {"PATH": env["PATH"], "PREFIXMESH_PORT": port}
+    refused = subprocess.run(cmd, cwd=ROOT, env=plain, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1, refused.stdout
+
+
+def test_deploy_tls_overlays_use_real_flags():
+    import shutil
+
+    import yaml
+
+    from replica.server_config import ServerConfig
+    from router.config import RouterConfig
+
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.tls.yml").read_text())
+    for name, config in (("replica", ServerConfig), ("router", RouterConfig)):
+        service = compose["services"][name]
+        assert service["healthcheck"]["test"][-2:] == ["-m", "prefixmesh.healthcheck"]
+        for var in service["environment"]:
+            assert var.removeprefix("PREFIXMESH_").lower() in config.__dataclass_fields__, var
+    assert "PREFIXMESH_TLS_CLIENT_CA" in compose["services"]["replica"]["environment"]
+    if shutil.which("kubectl"):
+        done = subprocess.run(
+            ["kubectl", "kustomize", str(ROOT / "deploy" / "k8s-tls")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(done.stdout)
+                if d and d["kind"] == "Deployment"}  # fmt: skip
+        for name in ("replica", "router"):
+            container = docs[name]["spec"]["template"]["spec"]["containers"][0]
+            env = {e["name"] for e in container["env"]}
+            assert {"PREFIXMESH_TLS_CERT", "PREFIXMESH_TLS_KEY", "PREFIXMESH_TLS_CA"} <= env
+            assert "grpc" not in container["readinessProbe"]
+            assert "prefixmesh.healthcheck" in container["readinessProbe"]["exec"]["command"]
