@@ -43,12 +43,6 @@ HELP: dict[str, str] = {
     "tenant_max_queued_tokens": "most prompt tokens one tenant may have admitted but not yet "
     "started; beyond it RESOURCE_EXHAUSTED (0 = no cap)",
 }
-# Replica only: the engine's scheduler is where a light tenant can go ahead of a heavy one.
-PRIORITY_HELP = (
-    "with --scheduling-policy priority and a tenant cap set: a request's engine priority is its "
-    "own plus the number of requests its tenant already has in flight, so a light tenant's "
-    "requests are scheduled (and their prefill budgeted) before a heavy tenant's"
-)
 
 
 def _fingerprint(kind: str, secret: str) -> str:
@@ -77,11 +71,10 @@ class TenantBusy(Exception):
 class Ticket:
     """One admitted request's share of its tenant's counters; ``close`` is idempotent."""
 
-    __slots__ = ("_limiter", "tenant", "tokens", "_open", "rank")
+    __slots__ = ("_limiter", "tenant", "tokens", "_open")
 
-    def __init__(self, limiter: TenantLimiter, tenant: str, rank: int = 0) -> None:
+    def __init__(self, limiter: TenantLimiter, tenant: str) -> None:
         self._limiter, self.tenant, self.tokens, self._open = limiter, tenant, 0, True
-        self.rank = rank  # the tenant's requests already in flight when this one was admitted
 
     def queue_tokens(self, tokens: int) -> None:
         """Count ``tokens`` prompt tokens as queued; raises ``TenantBusy`` over the cap (the
@@ -126,7 +119,7 @@ class TenantLimiter:
             )
         self.concurrent[tenant] = count + 1
         self.inflight.set(len(self.concurrent))
-        return Ticket(self, tenant, rank=count)
+        return Ticket(self, tenant)
 
     def _queue(self, ticket: Ticket, tokens: int) -> None:
         cap = self.limits.tenant_max_queued_tokens

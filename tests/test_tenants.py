@@ -32,7 +32,6 @@ def test_limiter_caps_concurrency_and_queued_tokens_and_counts_rejections():
     registry = CollectorRegistry()
     limiter = TenantLimiter(TenantLimits(2, 100), registry)
     a1, a2 = limiter.admit("a"), limiter.admit("a")
-    assert (a1.rank, a2.rank) == (0, 1)  # --tenant-priority: a heavy tenant's goes further back
     with pytest.raises(TenantBusy, match="2 requests in flight"):
         limiter.admit("a")
     b = limiter.admit("b")  # another tenant is not affected
@@ -105,16 +104,3 @@ def test_flooding_tenant_is_capped_and_the_other_is_served(cluster: MiniCluster,
     assert tenant_of("calm") not in metrics.split("prefixmesh_tenant_rejections_total", 1)[1]
     state = cluster.wait_idle()
     assert state.integrity_ok, state.integrity_error
-
-
-def test_tenant_priority_needs_the_priority_policy_and_a_cap():
-    from replica.server.config import parse_config
-
-    with pytest.raises(SystemExit, match="--tenant-priority needs"):
-        parse_config(["--tenant-priority", "--tenant-max-concurrent", "4"])
-    with pytest.raises(SystemExit, match="--tenant-priority needs"):
-        parse_config(["--tenant-priority", "--scheduling-policy", "priority"])
-    config = parse_config(
-        ["--tenant-priority", "--scheduling-policy", "priority", "--tenant-max-concurrent", "4"]
-    )
-    assert config.tenant_priority

@@ -57,7 +57,6 @@ class ServerConfig:
     retry_after_s: float = _LIMITS.retry_after_s
     tenant_max_concurrent: int = 0
     tenant_max_queued_tokens: int = 0
-    tenant_priority: bool = False
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -155,7 +154,6 @@ _HELP: dict[str, str] = {
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     **limits.HELP,
     **tenants.HELP,
-    "tenant_priority": tenants.PRIORITY_HELP,
     **tls.HELP,
 }
 
@@ -191,12 +189,5 @@ def _check(config: ServerConfig) -> None:
         problems.append(f"--block-size must be >= 1 (got {config.block_size})")
     problems += limits.check_limits(limits.RequestLimits.from_config(config))
     problems += tls.TlsFiles.from_config(config).problems()
-    if config.tenant_priority and not (
-        config.scheduling_policy == "priority" and tenants.TenantLimits.from_config(config).enabled
-    ):
-        problems.append(
-            "--tenant-priority needs --scheduling-policy priority and a tenant cap "
-            "(--tenant-max-concurrent or --tenant-max-queued-tokens)"
-        )
     if problems:
         raise SystemExit("prefixmesh replica: " + "; ".join(problems))

@@ -151,9 +151,8 @@ class ReplicaServer:
             tokenizer=engine.tokenizer,
         )
         generator = GeneratorService(
-            loop, self.admission, model, metrics, self.limits, self.tenants,
-            self.config.tenant_priority,
-        )  # fmt: skip
+            loop, self.admission, model, metrics, self.limits, self.tenants
+        )
         replica = ReplicaService(loop, self.admission, model, self._epoch)
         pb_grpc.add_GeneratorServicer_to_server(generator, server)
         pb_grpc.add_ReplicaServicer_to_server(replica, server)

@@ -64,7 +64,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         metrics: ReplicaMetrics,
         limits: RequestLimits,
         tenants: TenantLimiter | None = None,
-        tenant_priority: bool = False,
     ) -> None:
         self.loop = loop
         self.admission = admission
@@ -72,7 +71,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.metrics = metrics
         self.limits = limits  # prefixmesh/limits.py: bounded requests
         self.tenants = tenants  # prefixmesh/tenants.py: one tenant cannot starve others
-        self.tenant_priority = tenant_priority  # --tenant-priority
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: Ctx
@@ -100,7 +98,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 self.limits.retry_after_s,
             )
         ticket = await self._tenant_ticket(request, req, context)
-        req.engine.priority += self._tenant_rank(ticket)
         client_id = request.request_id or uuid.uuid4().hex
         admission.enter()
         waiting, handle, done = True, None, False
@@ -138,12 +135,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         except TenantBusy as exc:
             await abort_busy(context, str(exc), self.limits.retry_after_s)
         return ticket
-
-    def _tenant_rank(self, ticket: Ticket | None) -> int:
-        """--tenant-priority: how far back a heavy tenant's request goes (prefixmesh/tenants.py)."""
-        if ticket is None or not self.tenant_priority:
-            return 0
-        return ticket.rank
 
     async def _stream(
         self,
