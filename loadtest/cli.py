@@ -203,20 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(args: argparse.Namespace, console: Console) -> int:
-    requests = build_workload(args)
-    # Everything built so far lives for the whole run: keep the collector from rescanning it,
-    # which would stall the scheduler for milliseconds at high request rates.
-    gc.collect()
-    gc.freeze()
-    if not requests:
-        console.print("[red]the workload is empty[/red]")
-        return 2
-    opts = BenchOptions(
+def _bench_options(args: argparse.Namespace, num_requests: int) -> BenchOptions:
+    """How to run and report the workload, from the flags."""
+    return BenchOptions(
         limits=RunLimits(
             args.max_duration, args.drain_timeout, args.request_timeout, args.concurrency
         ),
-        warmup=min(args.warmup, len(requests) - 1),
+        warmup=min(args.warmup, num_requests - 1),
         slo=parse_slo(args.slo) if args.slo else None,
         block_size=args.block_size,
         capacity_blocks=args.capacity_blocks,
@@ -228,6 +221,18 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             if k != "api_key"  # summaries get shared; keys must not travel with them
         },
     )
+
+
+async def _run(args: argparse.Namespace, console: Console) -> int:
+    requests = build_workload(args)
+    # Everything built so far lives for the whole run: keep the collector from rescanning it,
+    # which would stall the scheduler for milliseconds at high request rates.
+    gc.collect()
+    gc.freeze()
+    if not requests:
+        console.print("[red]the workload is empty[/red]")
+        return 2
+    opts = _bench_options(args, len(requests))
     out = args.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
     protocol = args.protocol or protocol_of(args.target)
     # Read here, not as the argparse default, so --help never prints the key.

@@ -1,58 +1,21 @@
 """Redis + one tiny-model replica + one router, as real processes on loopback, for the
-hardening tests (limits, fuzzing, TLS, tenants). Each server serves gRPC and OpenAI HTTP."""
+hardening tests (limits, fuzzing, TLS, tenants). Each server serves gRPC and OpenAI HTTP.
+Processes and Redis come from ``tests/helpers.py``, the one harness."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import free_port, start_redis
+from helpers import ROOT, EmbeddedRedis, Proc, free_port, start_redis, stop_all, wait_until
 
 from prefixmesh.tls import TlsFiles, channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Proc:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: str
-
-    @classmethod
-    def start(cls, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixmesh.cli", *argv],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        )  # fmt: skip
-        log.close()
-        return cls(name, proc, log.name)
-
-    def logs(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if os.environ.get("PM_KEEP_LOGS"):
-            print(f"--- {self.name}\n{self.logs()}")
-        Path(self.log_path).unlink(missing_ok=True)
+__all__ = ["ROOT", "MiniCluster", "start_mini_cluster"]
 
 
 @dataclass
@@ -64,7 +27,7 @@ class MiniCluster:
     router_grpc: str
     router_http: str
     procs: list[Proc]
-    redis: object
+    redis: EmbeddedRedis
     client_tls: TlsFiles = field(default_factory=TlsFiles)
 
     def channel(self, address: str, tls: TlsFiles | None = None) -> grpc.Channel:
@@ -93,9 +56,8 @@ class MiniCluster:
         assert not dead, f"{dead[0].name} exited:\n{dead[0].logs()}"
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-        self.redis.stop()  # type: ignore[attr-defined]
+        stop_all(self.procs)
+        self.redis.stop()
 
 
 def _serving(address: str, tls: TlsFiles) -> bool:
@@ -131,42 +93,44 @@ def start_mini_cluster(
     procs: list[Proc] = []
     tls = client_tls or TlsFiles()
     try:
-        procs.append(Proc.start("replica", [
+        procs.append(Proc.cli("replica",
             "replica", "--model", model, "--port", str(rg), "--http-port", str(rh),
             "--redis", redis.url, "--namespace", namespace, "--replica-id", f"{namespace}-0",
             "--threads", "1", "--dtype", "float32", "--max-model-len", "512",
-            "--num-blocks", "128", "--max-num-seqs", "8", *replica_args,
-        ], replica_env))  # fmt: skip
-        procs.append(Proc.start("router", [
+            "--num-blocks", "128", "--max-num-seqs", "8", *replica_args, env=replica_env,
+        ))  # fmt: skip
+        procs.append(Proc.cli("router",
             "router", "--port", str(qg), "--http-port", str(qh), "--redis", redis.url,
-            "--namespace", namespace, *router_args,
-        ], router_env))  # fmt: skip
+            "--namespace", namespace, *router_args, env=router_env,
+        ))  # fmt: skip
         cluster = MiniCluster(
             f"127.0.0.1:{rg}", f"127.0.0.1:{rh}", f"127.0.0.1:{qg}", f"127.0.0.1:{qh}",
             procs, redis, tls,
         )  # fmt: skip
         deadline = time.monotonic() + timeout
-        while not (_serving(cluster.replica_grpc, tls) and _routes(cluster.router_grpc, tls)):
-            cluster.alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError("cluster not ready:\n" + "\n".join(p.logs() for p in procs))
-            time.sleep(0.3)
+        wait_until(
+            procs,
+            lambda: _serving(cluster.replica_grpc, tls) and _routes(cluster.router_grpc, tls),
+            "mini cluster",
+            timeout,
+        )
         # The router routes once it has the replica's tokenizer: wait for one answered request.
-        while True:
-            try:
-                with channel(cluster.router_grpc, tls) as ch:
-                    list(pb_grpc.GeneratorStub(ch).Generate(
-                        pb.GenerateRequest(text="warm up", sampling=pb.SamplingParams(
-                            max_tokens=1, temperature=0)), timeout=30))  # fmt: skip
-                break
-            except grpc.RpcError:
-                cluster.alive()
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+        wait_until(
+            procs,
+            lambda: _answers(cluster.router_grpc, tls),
+            "router",
+            max(1.0, deadline - time.monotonic()),
+        )
         return cluster
     except BaseException:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
         redis.stop()
         raise
+
+
+def _answers(address: str, tls: TlsFiles) -> bool:
+    with channel(address, tls) as ch:
+        list(pb_grpc.GeneratorStub(ch).Generate(
+            pb.GenerateRequest(text="warm up", sampling=pb.SamplingParams(
+                max_tokens=1, temperature=0)), timeout=30))  # fmt: skip
+    return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from replica.engine_loop import EngineLoop
+from replica.server.engine_loop import EngineLoop
 
 
 class _FakeEngine:

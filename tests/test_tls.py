@@ -191,7 +191,7 @@ def test_healthcheck_speaks_tls_from_the_environment(cluster: MiniCluster, pki: 
         "PREFIXMESH_TLS_CERT": str(pki["replica"]), "PREFIXMESH_TLS_KEY": str(pki["replica_key"]),
         "PREFIXMESH_TLS_CLIENT_CA": str(pki["ca"]), "PREFIXMESH_TLS_CA": str(pki["ca"]),
     }  # fmt: skip
-    cmd = [sys.executable, "-m", "prefixmesh.healthcheck"]
+    cmd = [sys.executable, "-m", "prefixmesh.cli.healthcheck"]
     ok = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
     plain = {"PATH": env["PATH"], "PREFIXMESH_PORT": port}
@@ -204,13 +204,13 @@ def test_deploy_tls_overlays_use_real_flags():
 
     import yaml
 
-    from replica.server_config import ServerConfig
+    from replica.server.config import ServerConfig
     from router.config import RouterConfig
 
     compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.tls.yml").read_text())
     for name, config in (("replica", ServerConfig), ("router", RouterConfig)):
         service = compose["services"][name]
-        assert service["healthcheck"]["test"][-2:] == ["-m", "prefixmesh.healthcheck"]
+        assert service["healthcheck"]["test"][-2:] == ["-m", "prefixmesh.cli.healthcheck"]
         for var in service["environment"]:
             assert var.removeprefix("PREFIXMESH_").lower() in config.__dataclass_fields__, var
     assert "PREFIXMESH_TLS_CLIENT_CA" in compose["services"]["replica"]["environment"]
@@ -227,4 +227,4 @@ def test_deploy_tls_overlays_use_real_flags():
             env = {e["name"] for e in container["env"]}
             assert {"PREFIXMESH_TLS_CERT", "PREFIXMESH_TLS_KEY", "PREFIXMESH_TLS_CA"} <= env
             assert "grpc" not in container["readinessProbe"]
-            assert "prefixmesh.healthcheck" in container["readinessProbe"]["exec"]["command"]
+            assert "prefixmesh.cli.healthcheck" in container["readinessProbe"]["exec"]["command"]

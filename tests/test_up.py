@@ -243,7 +243,7 @@ def test_supervisor_sets_a_spec_env_on_top_of_its_own(monkeypatch) -> None:
 
 
 def _exited_child(name: str, critical: bool = False):  # noqa: ANN202
-    from prefixmesh.procs import Child
+    from prefixmesh.cli.procs import Child
 
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()

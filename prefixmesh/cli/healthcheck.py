@@ -1,4 +1,5 @@
-"""``python -m prefixmesh.healthcheck [host:port]``: exit 0 when a server's gRPC health is SERVING.
+"""``python -m prefixmesh.cli.healthcheck [host:port]``: exit 0 when a server's gRPC health
+is SERVING.
 
 For container health checks and Kubernetes exec probes, which (unlike kubelet's own gRPC probe)
 can speak TLS: it dials ``127.0.0.1:$PREFIXMESH_PORT`` by default, over TLS when
