@@ -280,7 +280,11 @@ def test_redis_outage_keeps_serving_then_cache_aware_resumes(tiny_cluster: TinyC
 
 
 def test_kill9_under_load_loses_nothing(tiny_cluster: TinyCluster):
+    # Streams long enough that the victim is still generating when it dies: with 40 tokens the
+    # tiny model could finish a stream before the client had read 5 of it, and then nothing
+    # failed over.
     client = tiny_cluster.client
+    length = 120
     prompts = [(system_prompt("kill", g % 3), f"request {g}") for g in range(12)]
     victim: list[str] = []
     lock = threading.Lock()
@@ -290,7 +294,7 @@ def test_kill9_under_load_loses_nothing(tiny_cluster: TinyCluster):
 
         def one(i: int) -> None:
             responses = []
-            for resp in client.chat_stream(*prompts[i], max_tokens=40):
+            for resp in client.chat_stream(*prompts[i], max_tokens=length):
                 responses.append(resp)
                 streamed = sum(len(r.token_ids) for r in responses)
                 if kill and streamed >= 5:
@@ -317,7 +321,7 @@ def test_kill9_under_load_loses_nothing(tiny_cluster: TinyCluster):
     resumed = 0
     for i, (tokens, text, final, served_by) in disturbed.items():
         assert tokens == reference[i][0], f"request {i} differs after failover"
-        assert final.usage.completion_tokens == 40
+        assert final.usage.completion_tokens == length
         assert final.usage.prompt_tokens == reference[i][2].usage.prompt_tokens
         # Random weights emit invalid UTF-8 too; across a resume such byte runs may render
         # with a different number of U+FFFD (replica/detokenizer.py's contract), nothing else.
