@@ -13,8 +13,9 @@ only take features away: asking for more than the CPU has changes nothing.
 
 Torch's own kernels choose their ISA themselves. :func:`torch_env` gives the environment
 variables that cap them too (oneDNN's ``ONEDNN_MAX_CPU_ISA``, ATen's ``ATEN_CPU_CAPABILITY``);
-they take effect only in a process that sets them before torch loads, so a test that needs
-torch capped as well runs a subprocess with them.
+both are read when torch first runs a kernel. :func:`cap_torch` sets them from the cap in this
+process; the test suite (tests/conftest.py), ``prefixmesh bench`` and the replica server call it
+first thing, so under a cap the GEMMs run on the capped ISA as well.
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ def torch_env(isa: str) -> dict[str, str]:
         "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[isa],
         "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[isa],
     }
+
+
+def cap_torch() -> None:
+    """Under ``PREFIXMESH_CPU_ISA``, cap torch's own kernels in this process too. Call it before
+    torch runs its first kernel; variables the user set explicitly win."""
+    cap = isa_cap()
+    if cap is not None:
+        for name, value in torch_env(cap).items():
+            os.environ.setdefault(name, value)
 
 
 def _level(flags: frozenset[str]) -> str:

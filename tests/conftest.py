@@ -16,6 +16,11 @@ for p in (str(ROOT), str(ROOT / "tests")):
 
 from helpers import make_tiny_model_dir, start_redis  # noqa: E402
 
+from kernels.cpu_flags import cap_torch  # noqa: E402
+
+# Under PREFIXMESH_CPU_ISA the whole run plays the capped machine, torch's GEMMs included.
+cap_torch()
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

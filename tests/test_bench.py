@@ -87,6 +87,7 @@ def test_attention_bench_compares_the_kernel_with_the_torch_path(
 
 def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys):
     from kernels.cpu_flags import cpu_flags
+    from kernels.fma_peak import loop_peak_gflops
     from replica.engine import cpu_has_native_bf16
 
     out = tmp_path / "peak.json"
@@ -115,8 +116,13 @@ def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys
     for dtype in dtypes:
         summary = result[f"{dtype}_summary"]
         peak = peaks[summary["unit"]]
+        best_gemm = max(result["gemm"][dtype].values())
+        if best_gemm >= 1.1 * peak:
+            # A peak is a maximum: a busy machine can only make a short loop read low, so
+            # measure it again, longer, before calling the GEMM faster than its unit.
+            peak = max(peak, loop_peak_gflops(summary["unit"], result["threads"], repeats=5))
         # No GEMM beats the unit it runs on (10% for timing noise between the two runs).
-        assert max(result["gemm"][dtype].values()) < 1.1 * peak
+        assert best_gemm < 1.1 * peak
         assert summary["share_of_peak"] == summary["gflops"] / peak
         assert f"of the {summary['unit']} peak" in printed
 

@@ -236,6 +236,19 @@ def test_the_cap_only_takes_away_and_rejects_unknown_levels(tmp_path, monkeypatc
         cpu_flags.cpu_isa(cpuinfo)
 
 
+def test_cap_torch_caps_torchs_own_kernels_unless_the_user_chose(monkeypatch):
+    for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(cpu_flags.ISA_ENV, raising=False)
+    cpu_flags.cap_torch()  # no cap: torch keeps its own choice
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ and "ATEN_CPU_CAPABILITY" not in os.environ
+    monkeypatch.setenv(cpu_flags.ISA_ENV, "avx2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # set by the user: it wins
+    cpu_flags.cap_torch()
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "default"
+
+
 _UNDER_CAP = textwrap.dedent(
     """
     import json, os, sys

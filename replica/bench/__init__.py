@@ -23,6 +23,7 @@ import importlib
 import json
 import sys
 
+from kernels.cpu_flags import cap_torch
 from replica.bench.throughput import matmul_floor
 from replica.bench.timing import random_prompts, seconds_per_call
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cap_torch()  # under PREFIXMESH_CPU_ISA, torch's GEMMs follow the cap too
     args = build_parser().parse_args(argv)
     result = args.run(args)
     if args.json:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 def main(argv: list[str] | None = None) -> int:
     """``prefixmesh replica``: imported lazily so that importing a submodule stays light."""
+    from kernels.cpu_flags import cap_torch
+
+    cap_torch()  # under PREFIXMESH_CPU_ISA, torch's own kernels follow the cap too
     from replica.server.server import main as server_main
 
     return server_main(argv)
