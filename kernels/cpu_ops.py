@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -44,6 +45,9 @@ BUILD_FLAGS = {
         *_COMMON_X86,
     ],
 }
+
+# A build lock older than this is left over from a killed builder (see _clear_stale_lock).
+STALE_LOCK_S = 900.0
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}
@@ -82,8 +86,10 @@ def _build(target: str) -> ModuleType | None:
         # the flags, so an edited source or another ISA never reuses a stale build.
         flags = ["-O3", "-fopenmp", *BUILD_FLAGS[target]]
         digest = hashlib.sha1((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:12]
+        name = f"prefixmesh_cpu_ops_{target}_{digest}"
+        _clear_stale_lock(name)
         return load_extension(
-            f"prefixmesh_cpu_ops_{target}_{digest}",
+            name,
             sources=[str(SOURCE)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
@@ -92,3 +98,43 @@ def _build(target: str) -> ModuleType | None:
     except Exception as exc:  # no compiler, no headers: the torch path still works
         log.warning("CPU kernels (%s) unavailable (%s); using the torch path", target, exc)
         return None
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Remove a build lock nobody is working under any more.
+
+    torch's builder marks a build in progress with a ``lock`` file in its folder, and every
+    other process waits, without a time limit, for it to go. A builder killed mid-build (kill -9
+    of a starting replica, a test timeout) leaves the file behind, and every later load would
+    then wait forever. A build takes a minute or two; a lock untouched for longer than
+    :data:`STALE_LOCK_S` is left over."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
+def build_all() -> dict[str, float | None]:
+    """Build every ISA this CPU runs, one after another; seconds each took (``None``: failed).
+
+    The test suite calls it once before its first test, so that compiling never runs inside a
+    test's time limit or in several processes at once."""
+    from kernels.cpu_flags import supported_isas
+
+    seconds: dict[str, float | None] = {}
+    for target in sorted({build_isa(isa) for isa in supported_isas()}):
+        start = time.perf_counter()
+        module = load(target)
+        seconds[target] = time.perf_counter() - start if module is not None else None
+    return seconds
+
+
+if __name__ == "__main__":
+    for target, took in build_all().items():
+        print(f"CPU kernels {target}: " + (f"ready in {took:.1f} s" if took is not None else "FAILED"))

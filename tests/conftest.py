@@ -22,32 +22,17 @@ from kernels.cpu_flags import cap_torch  # noqa: E402
 cap_torch()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama HF folder (2 layers, GQA 4/2 heads, ~500-token BPE vocab)."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the C++ CPU kernels for every ISA this CPU runs before the first test: one compile
+    each, outside any test's time limit, and before any test starts replica processes that
+    would otherwise compile them at the same time. In a child process with a time limit, so a
+    compiler that hangs cannot hang the run; the tests then load the cached builds."""
+    import subprocess
 
-
-@pytest.fixture(scope="session")
-def tiny_model_files(tiny_model_dir: Path):
-    from replica.loader import resolve_model
-
-    return resolve_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="session")
-def smollm2_files():
-    """The real SmolLM2-135M-Instruct (downloaded and converted once into the user cache)."""
-    from replica.loader import resolve_model
-
-    return resolve_model("smollm2")
-
-
-@pytest.fixture
-def redis_server() -> Iterator[str]:
-    """A real redis-server on a free loopback port; yields its URL."""
-    handle = start_redis()
     try:
-        yield handle.url
-    finally:
-        handle.stop()
+        built = subprocess.run([sys.executable, "-m", "kernels.cpu_ops"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=1800)  # fmt: skip
+        report = built.stdout + built.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        report = "CPU kernels: the build did not finish in 30 minutes\n"
+    print("\n" + report.strip(), file=sys.stderr)

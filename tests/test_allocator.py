@@ -47,9 +47,16 @@ def _minor_faults(mode: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt is Linux-only")
 def test_activations_reuse_heap_memory_instead_of_page_faulting():
-    off, on = _minor_faults("off"), _minor_faults("on")
-    # Measured: ~116,000 minor faults with glibc's defaults, ~7,000 with the thresholds raised.
-    assert on * 4 < off, (on, off)
+    # Measured: 100,000-116,000 minor faults with glibc's defaults, 7,000-10,000 with the
+    # thresholds raised. A fault count is a property of one run (another process can disturb
+    # it: one run in many counted 12,893 with the defaults), so a miss is measured once more.
+    tries = []
+    for _ in range(2):
+        off, on = _minor_faults("off"), _minor_faults("on")
+        tries.append((on, off))
+        if on * 4 < off:
+            break
+    assert on * 4 < off, tries
 
 
 def test_the_switch_turns_it_off(monkeypatch):
