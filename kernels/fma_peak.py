@@ -10,11 +10,12 @@ Units, by what an x86 CPU has (and ``PREFIXMESH_CPU_ISA`` allows, kernels/cpu_fl
   a large square shape: tiles cannot be driven from a plain loop without asking the kernel for
   them, and a large GEMM is the fastest thing they do.
 
-The loops keep ten independent accumulator chains per thread busy (enough to cover the latency
-on every current x86 core), on as many OpenMP threads as torch uses. They are compiled once with
-the system C compiler into ``~/.cache/prefixmesh/kernels`` (function-level target attributes, so
-one library holds every loop) and called through ctypes. Elsewhere (no x86, no compiler) a loop
-unit is ``None``.
+The loops keep 12 (AVX2) or 16 (AVX-512) independent accumulator chains per thread busy
+(enough to cover latency times throughput on every current x86 core) on as many OpenMP threads
+as torch uses, after a warm-up run (Zen 5 runs 512-bit work at part speed for its first
+moments). They are compiled once with the system C compiler into
+``~/.cache/prefixmesh/kernels`` (function-level target attributes, so one library holds every
+loop) and called through ctypes. Elsewhere (no x86, no compiler) a loop unit is ``None``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
 
-#define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9)
+/* Independent accumulator chains: enough to cover latency x throughput on current cores (Zen 5
+   issues two 512-bit vdpbf16ps a cycle at a latency of 6: 12 in flight). AVX2 has 16 registers,
+   so 12 chains plus the two constants; AVX-512 has 32. */
+#define CHAINS12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define CHAINS16(X) CHAINS12(X) X(12) X(13) X(14) X(15)
 
-/* Each function: GFLOP/s of `iters` rounds of 10 independent vector ops on `threads` threads. */
+/* Each function: GFLOP/s of `iters` rounds of independent vector ops on `threads` threads. */
 __attribute__((target("avx2,fma"))) double fma_avx2(long iters, int threads) {
   volatile float sink = 0.f;
   double start = omp_get_wtime();
@@ -53,10 +58,10 @@ __attribute__((target("avx2,fma"))) double fma_avx2(long iters, int threads) {
 #define DECL(i) __m256 a##i = _mm256_set1_ps((float)i);
 #define STEP(i) a##i = _mm256_fmadd_ps(a##i, b, c);
 #define SUM(i) s = _mm256_add_ps(s, a##i);
-    CHAINS(DECL)
-    for (long n = 0; n < iters; ++n) { CHAINS(STEP) }
+    CHAINS12(DECL)
+    for (long n = 0; n < iters; ++n) { CHAINS12(STEP) }
     __m256 s = _mm256_setzero_ps();
-    CHAINS(SUM)
+    CHAINS12(SUM)
     float out[8];
     _mm256_storeu_ps(out, s);
     #pragma omp atomic
@@ -65,7 +70,7 @@ __attribute__((target("avx2,fma"))) double fma_avx2(long iters, int threads) {
 #undef STEP
 #undef SUM
   }
-  return 2.0 * 8 * 10 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
+  return 2.0 * 8 * 12 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
 }
 
 __attribute__((target("avx512f"))) double fma_avx512(long iters, int threads) {
@@ -77,17 +82,17 @@ __attribute__((target("avx512f"))) double fma_avx512(long iters, int threads) {
 #define DECL(i) __m512 a##i = _mm512_set1_ps((float)i);
 #define STEP(i) a##i = _mm512_fmadd_ps(a##i, b, c);
 #define SUM(i) s = _mm512_add_ps(s, a##i);
-    CHAINS(DECL)
-    for (long n = 0; n < iters; ++n) { CHAINS(STEP) }
+    CHAINS16(DECL)
+    for (long n = 0; n < iters; ++n) { CHAINS16(STEP) }
     __m512 s = _mm512_setzero_ps();
-    CHAINS(SUM)
+    CHAINS16(SUM)
     #pragma omp atomic
     sink += _mm512_reduce_add_ps(s);
 #undef DECL
 #undef STEP
 #undef SUM
   }
-  return 2.0 * 16 * 10 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
+  return 2.0 * 16 * 16 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
 }
 
 /* vdpbf16ps: each of 16 float32 lanes accumulates two bfloat16 products (4 flops a lane). */
@@ -101,17 +106,17 @@ __attribute__((target("avx512f,avx512bf16"))) double dpbf16_avx512(long iters, i
 #define DECL(i) __m512 a##i = _mm512_set1_ps((float)i);
 #define STEP(i) a##i = _mm512_dpbf16_ps(a##i, b, c);
 #define SUM(i) s = _mm512_add_ps(s, a##i);
-    CHAINS(DECL)
-    for (long n = 0; n < iters; ++n) { CHAINS(STEP) }
+    CHAINS16(DECL)
+    for (long n = 0; n < iters; ++n) { CHAINS16(STEP) }
     __m512 s = _mm512_setzero_ps();
-    CHAINS(SUM)
+    CHAINS16(SUM)
     #pragma omp atomic
     sink += _mm512_reduce_add_ps(s);
 #undef DECL
 #undef STEP
 #undef SUM
   }
-  return 4.0 * 16 * 10 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
+  return 4.0 * 16 * 16 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
 }
 """
 
@@ -160,6 +165,7 @@ def loop_peak_gflops(
     if lib is None:
         return None
     function = getattr(lib, LOOP_UNITS[unit][0])
+    function(max(iters // 10, 1), threads)  # warm-up: clocks, power state, OpenMP threads
     return max(function(iters, threads) for _ in range(repeats))
 
 

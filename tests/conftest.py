@@ -36,3 +36,34 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     except subprocess.TimeoutExpired:
         report = "CPU kernels: the build did not finish in 30 minutes\n"
     print("\n" + report.strip(), file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama HF folder (2 layers, GQA 4/2 heads, ~500-token BPE vocab)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_files(tiny_model_dir: Path):
+    from replica.loader import resolve_model
+
+    return resolve_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def smollm2_files():
+    """The real SmolLM2-135M-Instruct (downloaded and converted once into the user cache)."""
+    from replica.loader import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture
+def redis_server() -> Iterator[str]:
+    """A real redis-server on a free loopback port; yields its URL."""
+    handle = start_redis()
+    try:
+        yield handle.url
+    finally:
+        handle.stop()

@@ -115,7 +115,7 @@ def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys
     assert summary["unit"] == ("avx512-fma" if "avx512f" in flags else "avx2-fma")
     for dtype in dtypes:
         summary = result[f"{dtype}_summary"]
-        peak = peaks[summary["unit"]]
+        peak = reported = peaks[summary["unit"]]
         best_gemm = max(result["gemm"][dtype].values())
         if best_gemm >= 1.1 * peak:
             # A peak is a maximum: a busy machine can only make a short loop read low, so
@@ -123,7 +123,7 @@ def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys
             peak = max(peak, loop_peak_gflops(summary["unit"], result["threads"], repeats=5))
         # No GEMM beats the unit it runs on (10% for timing noise between the two runs).
         assert best_gemm < 1.1 * peak
-        assert summary["share_of_peak"] == summary["gflops"] / peak
+        assert summary["share_of_peak"] == summary["gflops"] / reported
         assert f"of the {summary['unit']} peak" in printed
 
 
