@@ -50,7 +50,7 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
         help="API key of the target, router or replica (env PREFIXMESH_API_KEY): HTTP "
         "'Authorization: Bearer', gRPC metadata (also for --cluster)",
     )
-    tls.add_client_flags(g)  # gRPC targets and --cluster (prefixmesh/tls.py)
+    tls.add_client_flags(g)  # every target: gRPC, https:// and --cluster (prefixmesh/tls.py)
     g.add_argument(
         "--model",
         default=None,

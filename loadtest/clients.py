@@ -38,7 +38,11 @@ def make_client(
     if protocol == "http":
         from loadtest.http_client import HttpClient
 
-        if protocol_of(target) != "http":
-            target = f"http://{target}"
-        return HttpClient(target, api_key=api_key, model=model, max_connections=max_connections)
+        if protocol_of(target) != "http":  # a bare HOST:PORT: https where a CA is given
+            scheme = "https" if getattr(tls_files, "ca", "") else "http"
+            target = f"{scheme}://{target}"
+        return HttpClient(
+            target, api_key=api_key, model=model, max_connections=max_connections,
+            tls_files=tls_files,
+        )  # fmt: skip
     raise ValueError(f"protocol must be one of: {', '.join(PROTOCOLS)} (got {protocol!r})")

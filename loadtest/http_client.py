@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,6 +79,18 @@ async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
+def _ssl_context(tls_files: Any) -> ssl.SSLContext | None:
+    """An SSL context for ``tls_files``' CA and client certificate; None: the defaults."""
+    ca = getattr(tls_files, "ca", "")
+    cert = getattr(tls_files, "cert", "")
+    if not ca and not cert:
+        return None
+    context = ssl.create_default_context(cafile=ca or None)
+    if cert:
+        context.load_cert_chain(cert, getattr(tls_files, "key", "") or None)
+    return context
+
+
 class HttpClient(GenerateClient):
     """One ``aiohttp.ClientSession`` shared by all requests.
 
@@ -94,8 +107,13 @@ class HttpClient(GenerateClient):
         api_key: str = "",
         model: str | None = None,
         max_connections: int = 0,
+        tls_files: Any = None,
     ) -> None:
+        """``tls_files`` (prefixmesh.tls.TlsFiles): ``ca`` verifies an ``https://`` server with
+        that CA instead of the system's; ``cert`` and ``key`` answer a server that asks for a
+        client certificate (mutual TLS)."""
         self.base_url = base_url.rstrip("/")
+        self._ssl = _ssl_context(tls_files)
         self.model = model
         headers = {"Content-Type": "application/json"}
         if api_key:
@@ -108,8 +126,9 @@ class HttpClient(GenerateClient):
         # Created lazily: a ClientSession belongs to the running event loop.
         if self._session is None:
             connector = aiohttp.TCPConnector(
-                limit=self._max_connections, limit_per_host=0, keepalive_timeout=60
-            )
+                limit=self._max_connections, limit_per_host=0, keepalive_timeout=60,
+                ssl=self._ssl if self._ssl is not None else True,
+            )  # fmt: skip
             self._session = aiohttp.ClientSession(
                 connector=connector, headers=self._headers, timeout=aiohttp.ClientTimeout()
             )
@@ -133,6 +152,13 @@ class HttpClient(GenerateClient):
                         if models and isinstance(models[0], dict):
                             self.model = models[0].get("id")
                     return  # any other answer: the server accepts requests
+            except aiohttp.ClientSSLError as e:  # waiting will not make a certificate trusted
+                raise ClientError(
+                    "UNAVAILABLE",
+                    f"TLS with {self.base_url} failed ({e}); pass the CA that signed the "
+                    "server's certificate with --tls-ca, and --tls-cert/--tls-key if it wants "
+                    "a client certificate",
+                ) from e
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 last = repr(e)
             if loop.time() >= deadline:

@@ -228,3 +228,25 @@ def test_deploy_tls_overlays_use_real_flags():
             assert {"PREFIXMESH_TLS_CERT", "PREFIXMESH_TLS_KEY", "PREFIXMESH_TLS_CA"} <= env
             assert "grpc" not in container["readinessProbe"]
             assert "prefixmesh.cli.healthcheck" in container["readinessProbe"]["exec"]["command"]
+
+
+def test_loadtest_over_https_trusts_the_given_ca(
+    cluster: MiniCluster, pki: dict[str, Path], tmp_path: Path, tiny_model_dir: Path
+):
+    from loadtest.cli import main as loadtest_main
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    workload = ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "2",
+                "--system-prompt-len", "32", "--question-len", "8", "--output-len", "3",
+                "--vocab-size", str(vocab), "--min-token-id", "3",
+                "--rate", "inf", "--no-progress", "--no-plots"]  # fmt: skip
+    url = f"https://{cluster.router_http}"
+    out = tmp_path / "ok"
+    assert loadtest_main(["--target", url, "--tls-ca", str(pki["ca"]), "--out", str(out),
+                          *workload]) == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests"]["sent"] == summary["requests"]["ok"] == 4
+    # Without the CA the router's certificate is not trusted: nothing gets through.
+    refused = tmp_path / "refused"
+    rc = loadtest_main(["--target", url, "--out", str(refused), *workload])
+    assert rc != 0 or json.loads((refused / "summary.json").read_text())["requests"]["ok"] == 0
