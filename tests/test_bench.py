@@ -117,7 +117,9 @@ def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys
         summary = result[f"{dtype}_summary"]
         peak = reported = peaks[summary["unit"]]
         best_gemm = max(result["gemm"][dtype].values())
-        if best_gemm >= 1.1 * peak:
+        for _ in range(3):
+            if best_gemm < 1.1 * peak:
+                break
             # A peak is a maximum: a busy machine can only make a short loop read low, so
             # measure it again, longer, before calling the GEMM faster than its unit.
             peak = max(peak, loop_peak_gflops(summary["unit"], result["threads"], repeats=5))
