@@ -61,6 +61,21 @@ def test_decode_attention_matches_the_reference(isa, dtype, head_dim, many):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_rows_run_through_the_kernel(isa, dtype):
+    # A step with prefills is one kernel call, a row per query token: a plain prefill (causal
+    # among its own tokens), a chunk after a cached prefix, decodes, contexts across blocks.
+    case = Case([(0, 37), (45, 20), (70, 1), (0, 1), (16, 16)], 16, 6, 2, 64, dtype, seed=7)
+    backend = TorchAttentionBackend(isa=isa)
+    out, _, _ = case.run(backend)
+    assert backend._rows is not None and backend._rows.seq_lens.tolist()[:3] == [1, 2, 3]
+    check_close(out, case.naive(), dtype)
+    # The torch path (SDPA per prefill) computes the same attention.
+    torch_out, _, _ = case.run(TorchAttentionBackend(use_cpu_kernel=False))
+    check_close(out, torch_out.to(torch.float64), dtype)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 def test_decode_attention_reads_a_strided_query(isa):
     # The model hands the kernel the query columns of the fused qkv projection: a view whose
     # rows are wider than the query.
