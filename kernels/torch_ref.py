@@ -94,6 +94,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillPlan] = []
         self._rows: _RowsPlan | None = None
+        # Steps with prefills in the C++ kernel too (False: SDPA per prefill, for A/B runs).
+        self.prefill_in_kernel = True
         # The keys/values last written: a prefill with no cached prefix attends to exactly
         # these, so it can skip gathering them back out of the paged cache.
         self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -121,7 +123,8 @@ class TorchAttentionBackend(AttentionBackend):
         # With prefills and the C++ kernel, the whole step is one kernel call, a row per query
         # token: measured 2-3x faster than torch's SDPA per prefill (docs/benchmarks.md).
         kernel = self._use_cpu_kernel and device.type == "cpu"
-        self._rows = _rows_plan(meta, block_size) if self._prefills and kernel else None
+        rows = self._prefills and kernel and self.prefill_in_kernel
+        self._rows = _rows_plan(meta, block_size) if rows else None
         self._decode = None
         if decode_rows:
             lens = [meta.seq_lens_cpu[b] for b in decode_seqs]

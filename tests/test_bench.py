@@ -164,3 +164,19 @@ def test_breakdown_parts_add_up_to_the_step(tiny_model_dir):
     assert result["attention_floor_ms"] is None or result["attention_floor_ms"] > 0
     engine.abort_all()
     engine.check_integrity()
+
+
+def test_prefill_bench_alternates_kernel_rows_and_sdpa(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    argv = ["prefill", "--model", str(tiny_model_dir), "--dtype", "float32",
+            "--num-prompts", "3", "--input-len", "20", "--long-prompts", "1", "--long-len", "90",
+            "--rounds", "2", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    if not result["compared"]:  # no compiler here: the kernel path does not exist
+        assert "nothing to compare" in capsys.readouterr().out
+        return
+    for case in ("short", "long"):
+        assert len(result[case]["kernel"]) == len(result[case]["sdpa"]) == 2
+        assert all(t > 0 for t in result[case]["kernel"] + result[case]["sdpa"])
+    assert "kernel rows" in capsys.readouterr().out

@@ -70,9 +70,14 @@ def test_prefill_rows_run_through_the_kernel(isa, dtype):
     out, _, _ = case.run(backend)
     assert backend._rows is not None and backend._rows.seq_lens.tolist()[:3] == [1, 2, 3]
     check_close(out, case.naive(), dtype)
-    # The torch path (SDPA per prefill) computes the same attention.
+    # The torch path (SDPA per prefill) computes the same attention, and so does the kernel
+    # backend with prefills switched back to SDPA (what `bench prefill` compares).
     torch_out, _, _ = case.run(TorchAttentionBackend(use_cpu_kernel=False))
     check_close(out, torch_out.to(torch.float64), dtype)
+    backend.prefill_in_kernel = False
+    sdpa_out, _, _ = case.run(backend)
+    assert backend._rows is None
+    check_close(sdpa_out, torch_out.to(torch.float64), dtype)
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
