@@ -250,3 +250,67 @@ def test_loadtest_over_https_trusts_the_given_ca(
     refused = tmp_path / "refused"
     rc = loadtest_main(["--target", url, "--out", str(refused), *workload])
     assert rc != 0 or json.loads((refused / "summary.json").read_text())["requests"]["ok"] == 0
+
+
+def test_up_serves_every_door_over_tls(tiny_model_dir: Path, tmp_path: Path):
+    """`prefixmesh up --tls-*`: clients reach the router over TLS with the CA, the router
+    reaches the replicas over mutual TLS, and plaintext is refused everywhere."""
+    import os
+    import signal
+
+    from helpers import free_port
+
+    from prefixmesh.cli.procs import wait_serving
+
+    pki = make_pki(tmp_path)
+    port, http_port = free_port(), free_port()
+    router = f"127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXMESH_")}
+    cli = [sys.executable, "-m", "prefixmesh.cli"]
+    log_path = tmp_path / "up.log"
+    with log_path.open("wb") as log:
+        up = subprocess.Popen(
+            [*cli, "up", "--replicas", "1", "--model", str(tiny_model_dir), "--port", str(port),
+             "--http-port", str(http_port), "--no-color", "--tls-cert", str(pki["router"]),
+             "--tls-key", str(pki["router_key"]), "--tls-ca", str(pki["ca"]),
+             "--tls-client-ca", str(pki["ca"])],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+    try:
+        ca_only = TlsFiles(ca=str(pki["ca"]))
+        wait_serving(router, timeout_s=300, alive=lambda: up.poll() is None, tls=ca_only)
+        gen = subprocess.run(
+            [*cli, "generate", "--router", router, "--tls-ca", str(pki["ca"]), "--max-tokens",
+             "3", "--temperature", "0", "--ignore-eos", "hi"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert gen.returncode == 0, gen.stderr + log_path.read_text()[-2000:]
+        assert "3 tokens (length)" in gen.stderr, gen.stderr
+        reply = _https(
+            f"https://127.0.0.1:{http_port}/v1/completions",
+            ssl.create_default_context(cafile=str(pki["ca"])),
+            {"prompt": "hello", "max_tokens": 2, "temperature": 0},
+        )
+        assert reply["usage"]["completion_tokens"] == 2
+        with grpc.insecure_channel(router) as ch, pytest.raises(grpc.RpcError) as err:
+            _generate(ch)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        output = log_path.read_text()
+        assert f"--tls-ca {pki['ca']}" in output  # the banner's examples carry the CA
+        replica = output.split("replica-0 is SERVING on ")[1].split()[0]
+        # The replica wants the client certificate that `up` gave the router.
+        with (
+            grpc.secure_channel(
+                replica, grpc.ssl_channel_credentials(pki["ca"].read_bytes())
+            ) as ch,
+            pytest.raises(grpc.RpcError) as err,
+        ):
+            _generate(ch)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()

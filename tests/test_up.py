@@ -275,3 +275,36 @@ def test_up_plan_redis_is_not_critical(monkeypatch) -> None:
     plan = up_cli.make_plan(up_cli.parse_config(["--replicas", "1"]))
     assert plan.redis_spec is not None and not plan.redis_spec.critical
     assert plan.router_spec.critical
+
+
+def test_tls_files_reach_router_and_replicas_by_environment(tmp_path: Path) -> None:
+    files = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    for path in files.values():
+        path.write_text("pem")
+    base = ["--redis", "redis://127.0.0.1:1/0"]
+    cfg = up_cli.parse_config([*base, "--tls-cert", str(files["cert"]), "--tls-key",
+                               str(files["key"]), "--tls-ca", str(files["ca"]),
+                               "--tls-client-ca", str(files["ca"])])  # fmt: skip
+    plan = up_cli.make_plan(cfg)
+    served = {"PREFIXMESH_TLS_CERT": str(files["cert"]), "PREFIXMESH_TLS_KEY": str(files["key"]),
+              "PREFIXMESH_TLS_CA": str(files["ca"])}  # fmt: skip
+    for spec in plan.replica_specs:
+        assert spec.env.items() >= (served | {"PREFIXMESH_TLS_CLIENT_CA": str(files["ca"])}).items()
+    # The router serves clients without asking for their certificates.
+    assert plan.router_spec.env.items() >= served.items()
+    assert "PREFIXMESH_TLS_CLIENT_CA" not in plan.router_spec.env
+    assert cfg.tls_files().ca == str(files["ca"]) and cfg.tls_files().cert == str(files["cert"])
+    text = up_cli.banner(cfg, plan)
+    assert f"--tls-ca {files['ca']}" in text and "https://" in text and "-plaintext" not in text
+    for argv, message in (
+        (["--tls-cert", str(files["cert"])], "go together"),
+        (["--tls-cert", str(files["cert"]), "--tls-key", str(files["key"])], "needs --tls-ca"),
+        (["--tls-ca", str(files["ca"])], "need --tls-cert"),
+        (["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(files["key"]),
+          "--tls-ca", str(files["ca"])], "no such file"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            up_cli.parse_config([*base, *argv])
+    assert up_cli.make_plan(up_cli.parse_config(base)).replica_specs[0].env == {
+        "PREFIXMESH_API_KEY": ""
+    }  # no TLS: nothing added

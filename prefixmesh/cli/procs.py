@@ -24,6 +24,9 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from prefixmesh.tls import TlsFiles
+from prefixmesh.tls import channel as tls_channel
+
 # Colors in the order docker compose hands them out.
 _COLORS = ("36", "33", "32", "35", "34", "96", "93", "92", "95", "94")
 _RESET = "\033[0m"
@@ -204,6 +207,7 @@ def wait_serving(
     timeout_s: float,
     alive: Callable[[], bool] = lambda: True,
     stop: threading.Event | None = None,
+    tls: TlsFiles | None = None,
 ) -> None:
     """Poll grpc.health.v1 on ``address`` until it reports SERVING.
 
@@ -211,7 +215,7 @@ def wait_serving(
     TimeoutError after ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with tls_channel(address, tls) as channel:  # plaintext without tls.ca
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if stop is not None and stop.is_set():

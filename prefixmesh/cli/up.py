@@ -36,6 +36,8 @@ from prefixmesh.cli.procs import (
     wait_serving,
 )
 from prefixmesh.cli.redis_server import find_redis_server, free_port, redis_command, wait_for_redis
+from prefixmesh.tls import TlsFiles
+from prefixmesh.tls import channel as tls_channel
 
 DEFAULT_ROUTER_PORT = 50050  # the router's own default (router/config.py)
 ROUTER = "router"
@@ -63,6 +65,18 @@ class UpConfig:
     replica_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     api_key: str = field(default="", repr=False)  # the router's and every replica's
+    # TLS: one certificate for this host serves the router and every replica (--tls-cert/key);
+    # --tls-ca verifies it; --tls-client-ca makes replicas require client certificates.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_client_ca: str = ""
+
+    def tls_files(self) -> TlsFiles | None:
+        """What up's own probes present and trust (None: plaintext)."""
+        if not self.tls_cert:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key, "", self.tls_ca)
 
     def threads_per_replica(self) -> int:
         """Split the cores between replicas, so N replicas do not oversubscribe the CPU."""
@@ -88,7 +102,42 @@ def build_parser() -> argparse.ArgumentParser:
     d = UpConfig()
     _cluster_flags(parser, d)
     _supervision_flags(parser, d)
+    _tls_flags(parser)
     return parser
+
+
+def _tls_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS on every gRPC and HTTP door of the cluster (prefixmesh/tls.py)."""
+    g = parser.add_argument_group("TLS")
+    g.add_argument(
+        "--tls-cert", default="",
+        help="PEM certificate of this host, served by the router and every replica (its "
+        "names must cover --host and 127.0.0.1); the router also presents it to replicas",
+    )  # fmt: skip
+    g.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--tls-ca", default="",
+        help="PEM CA that signed --tls-cert (required with it): the router verifies the "
+        "replicas with it, and clients need it (generate/top/loadtest --tls-ca)",
+    )  # fmt: skip
+    g.add_argument(
+        "--tls-client-ca", default="",
+        help="PEM CA whose client certificates the replicas require (mutual TLS between "
+        "router and replicas; the router's router-facing door stays server-TLS only)",
+    )  # fmt: skip
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("prefixmesh up: --tls-cert and --tls-key go together")
+    if args.tls_cert and not args.tls_ca:
+        raise SystemExit("prefixmesh up: --tls-cert needs --tls-ca (the CA that signed it)")
+    if (args.tls_ca or args.tls_client_ca) and not args.tls_cert:
+        raise SystemExit("prefixmesh up: --tls-ca/--tls-client-ca need --tls-cert and --tls-key")
+    for flag in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
+        path = getattr(args, flag)
+        if path and not Path(path).is_file():
+            raise SystemExit(f"prefixmesh up: --{flag.replace('_', '-')} {path}: no such file")
 
 
 def _cluster_flags(parser: argparse.ArgumentParser, d: UpConfig) -> None:
@@ -186,6 +235,7 @@ def parse_config(argv: list[str]) -> UpConfig:
     args = build_parser().parse_args(argv)
     if args.replicas < 1:
         raise SystemExit(f"prefixmesh up: --replicas must be >= 1 (got {args.replicas})")
+    _check_tls(args)
     color = args.color
     if color is None:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
@@ -197,7 +247,13 @@ def parse_config(argv: list[str]) -> UpConfig:
         startup_timeout=args.startup_timeout, color=color,
         replica_args=tuple(args.replica_arg), router_args=tuple(args.router_arg),
         api_key=client_api_key(args.api_key),
+        tls_cert=_absolute(args.tls_cert), tls_key=_absolute(args.tls_key),
+        tls_ca=_absolute(args.tls_ca), tls_client_ca=_absolute(args.tls_client_ca),
     )  # fmt: skip
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve()) if path else ""
 
 
 def _cli(*args: str) -> list[str]:
@@ -252,6 +308,11 @@ def make_plan(cfg: UpConfig) -> Plan:
     # environment; the router presents its own key to the replicas (they have the same one).
     replica_env = {API_KEY_ENV: cfg.api_key}
     router_env = {API_KEY_ENV: cfg.api_key, "PREFIXMESH_REPLICA_API_KEY": ""}
+    if cfg.tls_cert:  # by environment, as compose and k8s hand TLS files over
+        served = {"PREFIXMESH_TLS_CERT": cfg.tls_cert, "PREFIXMESH_TLS_KEY": cfg.tls_key,
+                  "PREFIXMESH_TLS_CA": cfg.tls_ca}  # fmt: skip
+        replica_env |= served | {"PREFIXMESH_TLS_CLIENT_CA": cfg.tls_client_ca}
+        router_env |= served
     threads = cfg.threads_per_replica()
     replica_specs, addresses = [], []
     for i in range(cfg.replicas):
@@ -299,19 +360,24 @@ def banner(cfg: UpConfig, plan: Plan) -> str:
         )
         grpc_auth = f' -H "authorization: Bearer ${API_KEY_ENV}"'
         http_auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"'
+    tls_flag, grpcurl_tls, scheme, curl_tls = "", "-plaintext", "http", ""
+    if cfg.tls_cert:
+        lines.append(f"TLS on every door: clients trust {cfg.tls_ca}")
+        tls_flag, grpcurl_tls = f" --tls-ca {cfg.tls_ca}", f"-cacert {cfg.tls_ca}"
+        scheme, curl_tls = "https", f" --cacert {cfg.tls_ca}"
     lines += [
         "try:",
-        f'  prefixmesh generate --router {r} "Write a haiku about caches."',
-        f'  prefixmesh generate --router {r} --chat "What is the capital of France?"',
-        f"  prefixmesh top --router {r}",
-        f"  grpcurl -plaintext{grpc_auth} "
+        f'  prefixmesh generate --router {r}{tls_flag} "Write a haiku about caches."',
+        f'  prefixmesh generate --router {r}{tls_flag} --chat "What is the capital of France?"',
+        f"  prefixmesh top --router {r}{tls_flag}",
+        f"  grpcurl {grpcurl_tls}{grpc_auth} "
         + """-d '{"text": "Hello", "sampling": {"max_tokens": 32}}' """
         + f"{r} prefixmesh.v1.Generator/Generate",
     ]
     if cfg.http_port:
         dial = r.rsplit(":", 1)[0]
         lines.append(
-            f"  curl http://{dial}:{cfg.http_port}/v1/chat/completions{http_auth}"
+            f"  curl{curl_tls} {scheme}://{dial}:{cfg.http_port}/v1/chat/completions{http_auth}"
             + """ -H 'Content-Type: application/json' -d '{"model": "smollm2", """
             + """"messages": [{"role": "user", "content": "Hello"}]}'"""
         )
@@ -327,7 +393,12 @@ def banner(cfg: UpConfig, plan: Plan) -> str:
 
 
 def wait_router_sees(
-    address: str, replicas: int, timeout_s: float, stop: threading.Event, api_key: str = ""
+    address: str,
+    replicas: int,
+    timeout_s: float,
+    stop: threading.Event,
+    api_key: str = "",
+    tls: TlsFiles | None = None,
 ) -> int:
     """Wait until the router lists ``replicas`` replicas (discovery runs on a timer)."""
     import grpc
@@ -336,7 +407,7 @@ def wait_router_sees(
     from proto import prefixmesh_pb2_grpc as pb_grpc
 
     deadline, seen = time.monotonic() + timeout_s, 0
-    with grpc.insecure_channel(address) as channel:
+    with tls_channel(address, tls) as channel:
         stub = pb_grpc.ClusterStub(channel)
         while not stop.is_set() and time.monotonic() < deadline:
             try:
@@ -373,12 +444,15 @@ class Cluster:
                     raise RuntimeError("redis-server exited at start")
             resolve_model_once(cfg.model, sup)
             children = [sup.start(spec) for spec in plan.replica_specs]
+            tls = cfg.tls_files()
             for child, address in zip(children, plan.replica_addresses, strict=True):
-                wait_serving(address, cfg.startup_timeout, child.alive, self.stop)
+                wait_serving(address, cfg.startup_timeout, child.alive, self.stop, tls)
                 sup.log(f"{child.name} is SERVING on {address}")
             router = sup.start(plan.router_spec)
-            wait_serving(plan.router_address, cfg.startup_timeout, router.alive, self.stop)
-            seen = wait_router_sees(plan.router_address, cfg.replicas, 30.0, self.stop, cfg.api_key)
+            wait_serving(plan.router_address, cfg.startup_timeout, router.alive, self.stop, tls)
+            seen = wait_router_sees(
+                plan.router_address, cfg.replicas, 30.0, self.stop, cfg.api_key, tls
+            )
             if seen < cfg.replicas and not self.stop.is_set():
                 sup.log(f"warning: the router lists {seen} of {cfg.replicas} replicas so far")
         except (RuntimeError, TimeoutError) as exc:
