@@ -102,6 +102,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.block_tables.device
+        # With prefills and the C++ kernel, the whole step is one kernel call, a row per query
+        # token (1.2-1.4x faster prefill than torch's SDPA per sequence: docs/benchmarks.md);
+        # no other plan is needed.
+        kernel = self._use_cpu_kernel and device.type == "cpu" and self.prefill_in_kernel
+        self._rows = None
+        if kernel and max(meta.query_lens_cpu, default=1) > 1:
+            self._rows = _rows_plan(meta, block_size)
+            self._prefills, self._decode = [], None
+            return
         decode_rows: list[int] = []
         decode_seqs: list[int] = []
         self._prefills = []
@@ -120,11 +129,6 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = k_pos[None, :] <= q_pos[:, None]
                 self._prefills.append(_PrefillPlan(start, start + q_len, block_ids, ctx, mask))
             start += q_len
-        # With prefills and the C++ kernel, the whole step is one kernel call, a row per query
-        # token: measured 2-3x faster than torch's SDPA per prefill (docs/benchmarks.md).
-        kernel = self._use_cpu_kernel and device.type == "cpu"
-        rows = self._prefills and kernel and self.prefill_in_kernel
-        self._rows = _rows_plan(meta, block_size) if rows else None
         self._decode = None
         if decode_rows:
             lens = [meta.seq_lens_cpu[b] for b in decode_seqs]
@@ -163,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._new_kv = (key, value)
 
     def attend(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        if self._rows is not None and self._kernel_runs(query):
+        if self._rows is not None:  # prepared only where the kernel runs
             rows = self._rows
             return self._cpu_kernel.paged_decode(
                 query, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale
