@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -79,18 +78,6 @@ async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
-def _ssl_context(tls_files: Any) -> ssl.SSLContext | None:
-    """An SSL context for ``tls_files``' CA and client certificate; None: the defaults."""
-    ca = getattr(tls_files, "ca", "")
-    cert = getattr(tls_files, "cert", "")
-    if not ca and not cert:
-        return None
-    context = ssl.create_default_context(cafile=ca or None)
-    if cert:
-        context.load_cert_chain(cert, getattr(tls_files, "key", "") or None)
-    return context
-
-
 class HttpClient(GenerateClient):
     """One ``aiohttp.ClientSession`` shared by all requests.
 
@@ -113,7 +100,7 @@ class HttpClient(GenerateClient):
         that CA instead of the system's; ``cert`` and ``key`` answer a server that asks for a
         client certificate (mutual TLS)."""
         self.base_url = base_url.rstrip("/")
-        self._ssl = _ssl_context(tls_files)
+        self._ssl = tls_files.client_http_context() if tls_files is not None else None
         self.model = model
         headers = {"Content-Type": "application/json"}
         if api_key:

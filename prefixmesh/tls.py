@@ -97,6 +97,16 @@ class TlsFiles:
 
     # -- client side ----------------------------------------------------------------------
 
+    def client_http_context(self) -> ssl.SSLContext | None:
+        """An HTTPS client's SSL context: trusting ``ca`` (else the system's CAs), presenting
+        ``cert`` to a server that wants client certificates; None with neither set."""
+        if not self.ca and not self.cert:
+            return None
+        context = ssl.create_default_context(cafile=self.ca or None)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key or None)
+        return context
+
     def loopback(self) -> TlsFiles:
         """How a server's HTTP door calls its own gRPC port: trusting ``ca`` (else the client
         CA, else its own certificate) and presenting its own certificate."""

@@ -299,7 +299,7 @@ def test_tls_files_reach_router_and_replicas_by_environment(tmp_path: Path) -> N
     for argv, message in (
         (["--tls-cert", str(files["cert"])], "go together"),
         (["--tls-cert", str(files["cert"]), "--tls-key", str(files["key"])], "needs --tls-ca"),
-        (["--tls-ca", str(files["ca"])], "need --tls-cert"),
+        (["--tls-ca", str(files["ca"])], "needs --tls-cert"),
         (["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(files["key"]),
           "--tls-ca", str(files["ca"])], "no such file"),
     ):  # fmt: skip

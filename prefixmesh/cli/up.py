@@ -123,21 +123,21 @@ def _tls_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tls-client-ca", default="",
         help="PEM CA whose client certificates the replicas require (mutual TLS between "
-        "router and replicas; the router's router-facing door stays server-TLS only)",
+        "router and replicas; the router's door for clients stays server-side TLS only)",
     )  # fmt: skip
 
 
 def _check_tls(args: argparse.Namespace) -> None:
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise SystemExit("prefixmesh up: --tls-cert and --tls-key go together")
+    """TlsFiles' own checks, plus up's: one certificate serves everything, so the router
+    needs the CA that signed it to verify the replicas."""
+    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca, args.tls_ca)
+    problems = files.problems()
     if args.tls_cert and not args.tls_ca:
-        raise SystemExit("prefixmesh up: --tls-cert needs --tls-ca (the CA that signed it)")
-    if (args.tls_ca or args.tls_client_ca) and not args.tls_cert:
-        raise SystemExit("prefixmesh up: --tls-ca/--tls-client-ca need --tls-cert and --tls-key")
-    for flag in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
-        path = getattr(args, flag)
-        if path and not Path(path).is_file():
-            raise SystemExit(f"prefixmesh up: --{flag.replace('_', '-')} {path}: no such file")
+        problems.append("--tls-cert needs --tls-ca (the CA that signed it)")
+    if args.tls_ca and not args.tls_cert:
+        problems.append("--tls-ca needs --tls-cert and --tls-key")
+    if problems:
+        raise SystemExit("prefixmesh up: " + "; ".join(problems))
 
 
 def _cluster_flags(parser: argparse.ArgumentParser, d: UpConfig) -> None:
