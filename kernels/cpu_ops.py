@@ -82,10 +82,13 @@ def _build(target: str) -> ModuleType | None:
 
         # -fopenmp: at::parallel_for only splits work across threads in a translation unit
         # built with OpenMP; the extension then shares torch's own libgomp, so
-        # torch.set_num_threads governs it too. The name carries a digest of the source and
-        # the flags, so an edited source or another ISA never reuses a stale build.
+        # torch.set_num_threads governs it too. The name carries a digest of the source, its
+        # path and the flags, so an edited source or another ISA never reuses a stale build,
+        # and two checkouts on one machine do not rebuild over each other (torch's builder
+        # recompiles whenever the source's path in its build file changes).
         flags = ["-O3", "-fopenmp", *BUILD_FLAGS[target]]
-        digest = hashlib.sha1((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:12]
+        key = f"{SOURCE.resolve()}\n{SOURCE.read_text()}{' '.join(flags)}"
+        digest = hashlib.sha1(key.encode()).hexdigest()[:12]
         name = f"prefixmesh_cpu_ops_{target}_{digest}"
         _clear_stale_lock(name)
         return load_extension(

@@ -6,12 +6,12 @@ sequence at a time, causal among their new tokens and full over their cached pre
 handled by folding each KV group's query heads into the query-length axis, so no key or value
 is ever repeated per query head.
 
-On a CPU with the C++ kernels (``kernels.cpu_ops``), decodes run in the kernel instead, and
-so does a step with prefills: every query token becomes a row of its own that attends to the
-first ``position + 1`` keys of its sequence, and the whole step is one kernel call.
+On a CPU with the C++ kernels (``kernels.cpu_ops``), decodes run in the kernel instead
+(``paged_decode``), and so does a step with prefills: one ``paged_prefill`` call attends every
+new token causally over its sequence, straight from the step's metadata.
 
-All per-step indices (gather rows, masks, the kernel's row tables) are built once in
-``prepare`` and reused by every layer.
+All per-step indices (gather rows, masks, the kernels' tables) are built once in ``prepare``
+and reused by every layer.
 """
 
 from __future__ import annotations
@@ -46,28 +46,6 @@ class _DecodePlan:
     end: int
 
 
-@dataclass(slots=True)
-class _RowsPlan:
-    """Every query row of a step as its own decode-like row, for the C++ kernel: a prefill
-    token at position p attends to the sequence's first p + 1 keys through its block table."""
-
-    block_tables: torch.Tensor  # [N, max_blocks] int32: row i's sequence's table
-    seq_lens: torch.Tensor  # [N] int32: how many keys row i attends to
-
-
-def _rows_plan(meta: AttentionMetadata, block_size: int) -> _RowsPlan:
-    device = meta.block_tables.device
-    q_lens = torch.tensor(meta.query_lens_cpu, device=device)
-    ctxs = torch.tensor(meta.seq_lens_cpu, device=device)
-    seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens)
-    first_row = torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens, q_lens)
-    position = (ctxs - q_lens)[seq_of_row] + torch.arange(len(seq_of_row), device=device)
-    lens = (position - first_row + 1).to(torch.int32)
-    max_blocks = -(-max(meta.seq_lens_cpu) // block_size)
-    tables = meta.block_tables[seq_of_row, :max_blocks].contiguous()
-    return _RowsPlan(tables, lens)
-
-
 class TorchAttentionBackend(AttentionBackend):
     """Paged varlen attention in plain PyTorch (any device, any float dtype).
 
@@ -93,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._use_cpu_kernel = self._cpu_kernel is not None
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillPlan] = []
-        self._rows: _RowsPlan | None = None
+        self._varlen = False  # this step runs in paged_prefill (prepared only where it can)
         # Steps with prefills in the C++ kernel too (False: SDPA per prefill, for A/B runs).
         self.prefill_in_kernel = True
         # The keys/values last written: a prefill with no cached prefix attends to exactly
@@ -102,13 +80,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.block_tables.device
-        # With prefills and the C++ kernel, the whole step is one kernel call, a row per query
-        # token (1.2-1.4x faster prefill than torch's SDPA per sequence: docs/benchmarks.md);
-        # no other plan is needed.
+        # With prefills and the C++ kernel, the whole step is one paged_prefill call over the
+        # step's own metadata (faster than torch's SDPA per sequence: docs/benchmarks.md); no
+        # other plan is needed.
         kernel = self._use_cpu_kernel and device.type == "cpu" and self.prefill_in_kernel
-        self._rows = None
-        if kernel and max(meta.query_lens_cpu, default=1) > 1:
-            self._rows = _rows_plan(meta, block_size)
+        self._varlen = bool(kernel and max(meta.query_lens_cpu, default=1) > 1)
+        if self._varlen:
             self._prefills, self._decode = [], None
             return
         decode_rows: list[int] = []
@@ -167,11 +144,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._new_kv = (key, value)
 
     def attend(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        if self._rows is not None:  # prepared only where the kernel runs
-            rows = self._rows
-            return self._cpu_kernel.paged_decode(
-                query, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale
-            )
+        if self._varlen:
+            return self._cpu_kernel.paged_prefill(
+                query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                scale,
+            )  # fmt: skip
         plan = self._decode
         if not self._prefills and plan is not None and plan.contiguous and self._kernel_runs(query):
             # A pure decode step: the kernel's output is the whole answer.

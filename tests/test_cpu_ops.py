@@ -62,22 +62,40 @@ def test_decode_attention_matches_the_reference(isa, dtype, head_dim, many):
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_rows_run_through_the_kernel(isa, dtype):
-    # A step with prefills is one kernel call, a row per query token: a plain prefill (causal
-    # among its own tokens), a chunk after a cached prefix, decodes, contexts across blocks.
-    case = Case([(0, 37), (45, 20), (70, 1), (0, 1), (16, 16)], 16, 6, 2, 64, dtype, seed=7)
+@pytest.mark.parametrize("head_dim", [16, 64, 96, 128])
+def test_a_step_with_prefills_runs_in_one_kernel_call(isa, dtype, head_dim):
+    # paged_prefill: plain prefills (causal among their own tokens) shorter and longer than a
+    # query tile (16 tokens), chunks after a cached prefix, decodes, contexts across blocks and
+    # not multiples of the vector width; GQA of 3.
+    seqs = [(0, 37), (45, 20), (70, 1), (0, 1), (16, 16), (0, 2), (100, 33)]
+    case = Case(seqs, 16, 6, 2, head_dim, dtype, seed=head_dim)
     backend = TorchAttentionBackend(isa=isa)
+    calls = []
+    kernel = backend._cpu_kernel
+    backend._cpu_kernel = _Recording(kernel, calls)
     out, _, _ = case.run(backend)
-    assert backend._rows is not None and backend._rows.seq_lens.tolist()[:3] == [1, 2, 3]
+    assert calls == ["paged_prefill"]
     check_close(out, case.naive(), dtype)
     # The torch path (SDPA per prefill) computes the same attention, and so does the kernel
     # backend with prefills switched back to SDPA (what `bench prefill` compares).
     torch_out, _, _ = case.run(TorchAttentionBackend(use_cpu_kernel=False))
     check_close(out, torch_out.to(torch.float64), dtype)
     backend.prefill_in_kernel = False
+    calls.clear()
     sdpa_out, _, _ = case.run(backend)
-    assert backend._rows is None
+    assert "paged_prefill" not in calls
     check_close(sdpa_out, torch_out.to(torch.float64), dtype)
+
+
+class _Recording:
+    """A kernel module that records which entry points were called."""
+
+    def __init__(self, module, calls: list[str]) -> None:
+        self._module, self._calls = module, calls
+
+    def __getattr__(self, name: str):
+        self._calls.append(name)
+        return getattr(self._module, name)
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)

@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -271,6 +272,241 @@ void decode_attention_d(const at::Tensor& q, const at::Tensor& kc, const at::Ten
               q.size(2));
 }
 
+// ---------------------------------------------------------------- paged prefill attention
+// A step with prefills: sequences with several new tokens (a prompt, or a chunk of one after
+// its cached prefix) and decodes, in one call. New token i of a sequence with `ctx` tokens and
+// `q_len` new ones sits at position ctx - q_len + i and attends to keys 0..position (causal).
+//
+// Decodes go through the decode path above. A prefill reads its keys many times (once per
+// query tile), so it first stages every (sequence, KV head)'s keys and values as float32 in
+// scratch: keys transposed in tiles of W tokens (kt[tile][d][j] = key tile*W + j's element d),
+// values as rows. Then a work item is a tile of up to QT query tokens of one KV head: its
+// QT * G query vectors score W keys a vector at a time (one FMA per query element against a
+// transposed key column: no lane reductions), take a causal softmax row by row, and weigh the
+// value rows (one FMA per value vector and query vector). Items run longest first, handed out
+// one at a time, so threads finish together although later tiles attend to more keys.
+
+constexpr int64_t QT = 16;            // query tokens per work item
+constexpr int SCORE_ROWS = 8;         // query vectors scored together
+constexpr int PV_ROWS = W >= 16 ? 6 : 2;  // query vectors weighed together (registers)
+
+// Keys of one (sequence, KV head) transposed in tiles of W tokens, zero past the end, and its
+// values as float rows.
+template <typename T, int D>
+void stage_kv(const T* kc, const T* vc, const int64_t* rows, int64_t len, int64_t off,
+              float* kt, float* vf) {
+  constexpr int V = D / W;
+  float buf[D];
+  for (int64_t tile = 0; tile * W < len; ++tile) {
+    float* out = kt + tile * D * W;
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t t = tile * W + j;
+      if (t >= len) {
+        for (int d = 0; d < D; ++d) out[d * W + j] = 0.f;
+        continue;
+      }
+      for (int i = 0; i < V; ++i) loadf(kc + rows[t] + off + i * W).store(buf + i * W);
+      for (int d = 0; d < D; ++d) out[d * W + j] = buf[d];
+      for (int i = 0; i < V; ++i) loadf(vc + rows[t] + off + i * W).store(vf + t * D + i * W);
+    }
+  }
+}
+
+// scores[n][t] = q[n] . k[t] for NQ query vectors against `tiles` tiles of transposed keys.
+template <int D, int NQ>
+inline void score_group(const float* q, const float* kt, int64_t tiles, float* scores,
+                        int64_t stride) {
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const float* k = kt + tile * D * W;
+    fVec acc[NQ];
+    for (int n = 0; n < NQ; ++n) acc[n] = fVec(0.f);
+    for (int d = 0; d < D; ++d) {
+      const fVec kd = fVec::loadu(k + d * W);
+      for (int n = 0; n < NQ; ++n) acc[n] = at::vec::fmadd(fVec(q[n * D + d]), kd, acc[n]);
+    }
+    for (int n = 0; n < NQ; ++n) acc[n].store(scores + n * stride + tile * W);
+  }
+}
+
+// outs[n] = inv[n] * sum_t p[n][t] * v[t] for NP query vectors, CH vectors of head_dim a pass.
+template <typename T, int D, int NP>
+inline void weigh_group(const float* p, int64_t stride, const float* vf, int64_t len,
+                        const float* inv, T* const* outs) {
+  constexpr int V = D / W;
+  constexpr int CH = V % 4 == 0 ? 4 : (V % 3 == 0 ? 3 : (V % 2 == 0 ? 2 : 1));
+  for (int c = 0; c < V; c += CH) {
+    fVec acc[NP][CH];
+    for (int n = 0; n < NP; ++n)
+      for (int i = 0; i < CH; ++i) acc[n][i] = fVec(0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const float* v = vf + t * D + c * W;
+      fVec vv[CH];
+      for (int i = 0; i < CH; ++i) vv[i] = fVec::loadu(v + i * W);
+      for (int n = 0; n < NP; ++n) {
+        const fVec pn(p[n * stride + t]);
+        for (int i = 0; i < CH; ++i) acc[n][i] = at::vec::fmadd(pn, vv[i], acc[n][i]);
+      }
+    }
+    for (int n = 0; n < NP; ++n) {
+      const fVec norm(inv[n]);
+      for (int i = 0; i < CH; ++i) storef(outs[n] + (c + i) * W, acc[n][i] * norm);
+    }
+  }
+}
+
+template <int D, int N = SCORE_ROWS>
+inline void score_rest(int64_t count, const float* q, const float* kt, int64_t tiles,
+                       float* scores, int64_t stride) {
+  if constexpr (N > 0) {
+    if (count == N) return score_group<D, N>(q, kt, tiles, scores, stride);
+    score_rest<D, N - 1>(count, q, kt, tiles, scores, stride);
+  }
+}
+
+template <typename T, int D, int N = PV_ROWS>
+inline void weigh_rest(int64_t count, const float* p, int64_t stride, const float* vf,
+                       int64_t len, const float* inv, T* const* outs) {
+  if constexpr (N > 0) {
+    if (count == N) return weigh_group<T, D, N>(p, stride, vf, len, inv, outs);
+    weigh_rest<T, D, N - 1>(count, p, stride, vf, len, inv, outs);
+  }
+}
+
+// Query tokens [r0, r1) of one sequence (the first at position first_pos) and one KV head.
+template <typename T, int D>
+void prefill_tile(const T* q, int64_t q_stride, int64_t q_head_stride, int64_t kvh, int64_t G,
+                  int64_t r0, int64_t r1, int64_t first_pos, const float* kt, const float* vf,
+                  float scale, T* out, int64_t out_stride, std::vector<float>& qbuf,
+                  std::vector<float>& scores, std::vector<float>& inv, std::vector<T*>& outs) {
+  constexpr int V = D / W;
+  const int64_t nq = (r1 - r0) * G;
+  const int64_t len = first_pos + r1;  // keys the tile's last token attends to
+  const int64_t tiles = (len + W - 1) / W, stride = tiles * W;
+  qbuf.resize(nq * D);
+  scores.resize(nq * stride);
+  inv.resize(nq);
+  outs.resize(nq);
+  const fVec sv(scale);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = (r - r0) * G + g, h = kvh * G + g;
+      for (int i = 0; i < V; ++i)
+        (loadf(q + r * q_stride + h * q_head_stride + i * W) * sv).store(&qbuf[n * D + i * W]);
+      outs[n] = out + r * out_stride + h * D;
+    }
+  for (int64_t n = 0; n < nq; n += SCORE_ROWS)
+    score_rest<D>(std::min<int64_t>(SCORE_ROWS, nq - n), &qbuf[n * D], kt, tiles,
+                  &scores[n * stride], stride);
+  for (int64_t n = 0; n < nq; ++n) {
+    const int64_t attended = first_pos + r0 + n / G + 1;
+    float* s = &scores[n * stride];
+    inv[n] = softmax_row<T>(s, attended);
+    std::fill(s + attended, s + len, 0.f);  // causal: later keys weigh nothing
+  }
+  for (int64_t n = 0; n < nq; n += PV_ROWS)
+    weigh_rest<T, D>(std::min<int64_t>(PV_ROWS, nq - n), &scores[n * stride], stride, vf, len,
+                     &inv[n], &outs[n]);
+}
+
+template <typename T, int D>
+void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& tables,
+                       const at::Tensor& query_start, const at::Tensor& lens, at::Tensor& out,
+                       float scale) {
+  const int64_t S = lens.size(0), H = query.size(1);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = tables.size(1);
+  const int64_t G = H / KVH, row = KVH * D;
+  const T* q = query.data_ptr<T>();
+  const int64_t q_stride = query.stride(0), q_head_stride = query.stride(1);
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t out_stride = H * D;
+
+  // Scratch for the prefills' staged keys and values: where each (sequence, KV head) starts.
+  std::vector<int64_t> kt_at(S * KVH, -1), vf_at(S * KVH, -1);
+  std::vector<int64_t> staged;  // sequences with prefills
+  int64_t kt_size = 0, vf_size = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (qs[s + 1] - qs[s] <= 1) continue;
+    staged.push_back(s);
+    const int64_t padded = (lp[s] + W - 1) / W * W;
+    for (int64_t h = 0; h < KVH; ++h) {
+      kt_at[s * KVH + h] = kt_size;
+      vf_at[s * KVH + h] = vf_size;
+      kt_size += padded * D;
+      vf_size += lp[s] * D;
+    }
+  }
+  std::vector<float> kt(kt_size), vf(vf_size);
+  at::parallel_for(0, int64_t(staged.size()) * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = staged[item / KVH], h = item % KVH;
+      rows.resize(lp[s]);
+      token_rows(tp + s * MB, lp[s], BS, row, rows.data());
+      stage_kv<T, D>(kc, vc, rows.data(), lp[s], h * D, kt.data() + kt_at[s * KVH + h],
+                     vf.data() + vf_at[s * KVH + h]);
+    }
+  });
+
+  // Work items, longest first: a decode (every KV head) or a prefill tile of one KV head.
+  struct Item {
+    int64_t cost, s, h, r0, r1;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qs[s + 1] - qs[s];
+    if (q_len == 1) {
+      items.push_back({lp[s] * H, s, -1, 0, 1});
+      continue;
+    }
+    for (int64_t r0 = 0; r0 < q_len; r0 += QT) {
+      const int64_t r1 = std::min(q_len, r0 + QT);
+      for (int64_t h = 0; h < KVH; ++h)
+        items.push_back({(lp[s] - q_len + r1) * (r1 - r0) * G, s, h, r0, r1});
+    }
+  }
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> qbuf, scores, inv;
+    std::vector<T*> outs;
+    for (int64_t i = next++; i < int64_t(items.size()); i = next++) {
+      const Item& it = items[i];
+      const int64_t s = it.s, q_len = qs[s + 1] - qs[s], first = qs[s];
+      if (it.h < 0) {
+        scores.resize(G * std::max<int64_t>(lp[s], 1));
+        attend_item<T, D>(q + first * q_stride, q_head_stride, kc, vc, tp + s * MB, lp[s], 0,
+                          KVH, G, BS, row, scale, scores.data(), op + first * out_stride);
+        continue;
+      }
+      prefill_tile<T, D>(q + first * q_stride, q_stride, q_head_stride, it.h, G, it.r0, it.r1,
+                         lp[s] - q_len, kt.data() + kt_at[s * KVH + it.h],
+                         vf.data() + vf_at[s * KVH + it.h], scale, op + first * out_stride,
+                         out_stride, qbuf, scores, inv, outs);
+    }
+  });
+}
+
+template <typename T>
+void prefill_attention_d(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                         const at::Tensor& bt, const at::Tensor& qs, const at::Tensor& lens,
+                         at::Tensor& out, float scale) {
+  switch (q.size(2)) {
+    case 16: prefill_attention<T, 16>(q, kc, vc, bt, qs, lens, out, scale); return;
+    case 32: prefill_attention<T, 32>(q, kc, vc, bt, qs, lens, out, scale); return;
+    case 64: prefill_attention<T, 64>(q, kc, vc, bt, qs, lens, out, scale); return;
+    case 96: prefill_attention<T, 96>(q, kc, vc, bt, qs, lens, out, scale); return;
+    case 128: prefill_attention<T, 128>(q, kc, vc, bt, qs, lens, out, scale); return;
+  }
+  TORCH_CHECK(false, "head_dim must be 16, 32, 64, 96 or 128, got ", q.size(2));
+}
+
 // One read of every cached key and value the step attends to, the way the kernel reads them
 // (block by block through the tables): the attention's memory floor, for the benchmarks.
 template <typename T>
@@ -438,6 +674,29 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache
   return out;
 }
 
+at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                         at::Tensor block_tables, at::Tensor query_start_loc,
+                         at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [N, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(),
+              "block tables, query starts and lengths must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block tables, query starts and lengths must be int32");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc must be [S + 1]");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 16,
+              "query heads must be a multiple (<= 16) of the KV heads");
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  const float s = static_cast<float>(scale);
+  PM_DISPATCH(query.scalar_type(), "paged_prefill",
+              prefill_attention_d<scalar_t>(query, k_cache, v_cache, block_tables,
+                                            query_start_loc, seq_lens, out, s));
+  return out;
+}
+
 double read_kv_once(at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                     at::Tensor seq_lens) {
   double total = 0;
@@ -512,6 +771,7 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention");
+  m.def("paged_prefill", &paged_prefill, "paged attention of a step with prefills (causal)");
   m.def("read_kv_once", &read_kv_once, "one read of the keys and values (benchmark floor)");
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
