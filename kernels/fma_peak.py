@@ -6,9 +6,9 @@ Units, by what an x86 CPU has (and ``PREFIXMESH_CPU_ISA`` allows, kernels/cpu_fl
 - ``avx512-fma``: 16-wide float32 FMAs (AVX-512 machines; float32 GEMMs run here there);
 - ``avx512-bf16``: ``vdpbf16ps``, 32 bfloat16 products a instruction (AVX-512 BF16 machines;
   oneDNN's bfloat16 GEMMs run here where there is no AMX);
-- ``amx-bf16``: AMX tiles, measured as what torch's bfloat16 matmul (oneDNN on AMX) sustains at
-  a large square shape: tiles cannot be driven from a plain loop without asking the kernel for
-  them, and a large GEMM is the fastest thing they do.
+- ``amx-bf16``: AMX tiles, ``tdpbf16ps`` on six independent 16 x 16 float32 accumulator
+  tiles (16 x 16 x 32 bfloat16 products each), after asking the Linux kernel for the tile state
+  (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, as oneDNN does).
 
 The loops keep 12 (AVX2) or 16 (AVX-512) independent accumulator chains per thread busy
 (enough to cover latency times throughput on every current x86 core) on as many OpenMP threads
@@ -26,21 +26,24 @@ import os
 import platform
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
-from kernels.cpu_flags import cpu_flags, cpu_isa
+from kernels.cpu_flags import cpu_flags
 
 # unit -> (C function, flags it needs)
 LOOP_UNITS = {
     "avx2-fma": ("fma_avx2", {"avx2", "fma"}),
     "avx512-fma": ("fma_avx512", {"avx512f"}),
     "avx512-bf16": ("dpbf16_avx512", {"avx512f", "avx512_bf16"}),
+    "amx-bf16": ("amx_bf16", {"amx_tile", "amx_bf16"}),
 }
 
 _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 /* Independent accumulator chains: enough to cover latency x throughput on current cores (Zen 5
    issues two 512-bit vdpbf16ps a cycle at a latency of 6: 12 in flight). AVX2 has 16 registers,
@@ -118,7 +121,54 @@ __attribute__((target("avx512f,avx512bf16"))) double dpbf16_avx512(long iters, i
   }
   return 4.0 * 16 * 16 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
 }
+
+/* AMX: tdpbf16ps multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into a 16 x 16 float32
+   tile (2 * 16 * 16 * 32 flops). Six independent accumulators (more than latency / throughput
+   of the tile unit) and one A and one B tile. The
+   tile registers are off until the process asks Linux for them; -1 if it refuses. */
+struct tile_config {
+  unsigned char palette_id, start_row, reserved[14];
+  unsigned short colsb[16];
+  unsigned char rows[16];
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) double amx_bf16(long iters, int threads) {
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0)
+    return -1.0;
+  volatile float sink = 0.f;
+  double start = omp_get_wtime();
+  #pragma omp parallel num_threads(threads)
+  {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int i = 0; i < 8; ++i) {
+      cfg.colsb[i] = 64;
+      cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    unsigned short ab[16 * 32];
+    for (int i = 0; i < 16 * 32; ++i) ab[i] = 0x3380;  /* ~6e-8 in bfloat16 */
+    float c[16 * 16];
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+    _tile_loadd(6, ab, 64); _tile_loadd(7, ab, 64);
+    for (long n = 0; n < iters; ++n) {
+      _tile_dpbf16ps(0, 6, 7); _tile_dpbf16ps(1, 6, 7); _tile_dpbf16ps(2, 6, 7);
+      _tile_dpbf16ps(3, 6, 7); _tile_dpbf16ps(4, 6, 7); _tile_dpbf16ps(5, 6, 7);
+    }
+    _tile_stored(0, c, 64);
+    _tile_release();
+    #pragma omp atomic
+    sink += c[0];
+  }
+  return 2.0 * 16 * 16 * 32 * 6 * (double)iters * threads / (omp_get_wtime() - start) / 1e9;
+}
 """
+
+
+# One round of the AMX loop is 6 tile products of 16 cycles each, where the other loops'
+# rounds take a cycle or two: fewer rounds for the same time.
+LOOP_ITERS_DIVISOR = {"amx-bf16": 48}
 
 
 def _library() -> ctypes.CDLL | None:
@@ -165,7 +215,9 @@ def loop_peak_gflops(
     if lib is None:
         return None
     function = getattr(lib, LOOP_UNITS[unit][0])
-    function(max(iters // 10, 1), threads)  # warm-up: clocks, power state, OpenMP threads
+    iters = max(iters // LOOP_ITERS_DIVISOR.get(unit, 1), 1)
+    if function(max(iters // 10, 1), threads) < 0:  # warm-up: clocks, power, OpenMP threads
+        return None  # the OS refused the unit (AMX tiles without the kernel's permission)
     return max(function(iters, threads) for _ in range(repeats))
 
 
@@ -178,21 +230,3 @@ def fma_peak_gflops(threads: int, iters: int = 50_000_000, repeats: int = 3) -> 
 def widest_fma_unit() -> str | None:
     units = [u for u in loop_units() if u.endswith("-fma")]
     return units[-1] if units else None
-
-
-def amx_peak_gflops(size: int = 2048, repeats: int = 3) -> float | None:
-    """What torch's bfloat16 matmul sustains at ``size``^3 on AMX tiles (best of ``repeats``);
-    ``None`` below the ``amx`` level."""
-    if cpu_isa() != "amx":
-        return None
-    import torch
-
-    a = torch.randn(size, size).to(torch.bfloat16)
-    b = torch.randn(size, size).to(torch.bfloat16)
-    torch.mm(a, b)  # warm-up: oneDNN picks and JITs its kernel
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9

@@ -87,12 +87,11 @@ def test_attention_bench_compares_the_kernel_with_the_torch_path(
 
 def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys):
     from kernels.cpu_flags import cpu_flags
-    from kernels.fma_peak import amx_peak_gflops, loop_peak_gflops
+    from kernels.fma_peak import loop_peak_gflops
     from replica.engine import cpu_has_native_bf16
 
     out = tmp_path / "peak.json"
-    argv = ["peak", "--iters", "1", "--peak-iters", "5000000", "--amx-size", "1024",
-            "--json", str(out)]  # fmt: skip
+    argv = ["peak", "--iters", "1", "--peak-iters", "5000000", "--json", str(out)]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     flags = cpu_flags() or frozenset()
@@ -105,7 +104,7 @@ def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys
     # Each loop unit is measured exactly where the CPU (under any ISA cap) has it.
     assert (peaks["avx512-fma"] is not None) == ("avx512f" in flags)
     assert (peaks["avx512-bf16"] is not None) == ({"avx512f", "avx512_bf16"} <= flags)
-    assert (peaks["amx-bf16"] is not None) == (result["isa"] == "amx")
+    assert (peaks["amx-bf16"] is not None) == ({"amx_tile", "amx_bf16"} <= flags)
     printed = capsys.readouterr().out
     if peaks["avx2-fma"] is None:  # not an x86 CPU with AVX2 + FMA, or no compiler
         assert "not measured here" in printed
@@ -122,11 +121,7 @@ def test_peak_bench_sets_each_gemm_against_the_peak_of_its_unit(tmp_path, capsys
                 break
             # A peak is a maximum: a busy machine can only make a short loop read low, so
             # measure it again, longer, before calling the GEMM faster than its unit.
-            if summary["unit"] == "amx-bf16":  # the peak of a large square matmul on tiles
-                again = amx_peak_gflops(2048, repeats=5)
-            else:
-                again = loop_peak_gflops(summary["unit"], result["threads"], repeats=5)
-            peak = max(peak, again)
+            peak = max(peak, loop_peak_gflops(summary["unit"], result["threads"], repeats=5))
         # No GEMM beats the unit it runs on (10% for timing noise between the two runs).
         assert best_gemm < 1.1 * peak
         assert summary["share_of_peak"] == summary["gflops"] / reported

@@ -28,7 +28,6 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--peak-iters", type=int, default=50_000_000, help="rounds per thread of each peak loop"
     )
-    parser.add_argument("--amx-size", type=int, default=2048, help="square bf16 matmul (AMX)")
 
 
 def unit_for(dtype: str, peaks: dict[str, float | None]) -> str | None:
@@ -43,14 +42,13 @@ def run(args) -> dict:
 
     from kernels.cpu_flags import cpu_isa
     from kernels.cpu_linear import linear, pack
-    from kernels.fma_peak import LOOP_UNITS, amx_peak_gflops, loop_peak_gflops
+    from kernels.fma_peak import LOOP_UNITS, loop_peak_gflops
     from replica.engine import cpu_has_native_bf16
 
     threads = set_threads(args)
     peaks: dict[str, float | None] = {
         unit: loop_peak_gflops(unit, threads, iters=args.peak_iters) for unit in LOOP_UNITS
     }
-    peaks["amx-bf16"] = amx_peak_gflops(args.amx_size)
     dtypes = ["float32"] + (["bfloat16"] if cpu_has_native_bf16() else [])
     result: dict = {"threads": threads, "isa": cpu_isa(), "peaks": peaks, "gemm": {}}
     with torch.inference_mode():
