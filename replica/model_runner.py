@@ -67,6 +67,12 @@ class ModelRunner:
         """Copy whole blocks within the device pool (copy-on-write)."""
         self._copy(copies, self.kv_caches, self.kv_caches)
 
+    def write_block(self, block: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Fill one block's KV in every layer (a block fetched from a peer replica)."""
+        for (k_cache, v_cache), k, v in zip(self.kv_caches, keys, values, strict=True):
+            k_cache[block].copy_(k)
+            v_cache[block].copy_(v)
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, ``(device, host)`` pairs."""
         self._copy(pairs, self.kv_caches, self.host_caches)
