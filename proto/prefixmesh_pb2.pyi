@@ -199,7 +199,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("load", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens", "generation_tokens", "finished_by_reason", "model", "block_size", "hash_scheme", "epoch", "cached_blocks")
+    __slots__ = ("load", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens", "generation_tokens", "finished_by_reason", "model", "block_size", "hash_scheme", "epoch", "cached_blocks", "fetched_tokens", "blocks_served")
     class FinishedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,8 @@ class ReplicaStats(_message.Message):
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
     load: ReplicaLoad
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -231,7 +233,9 @@ class ReplicaStats(_message.Message):
     hash_scheme: str
     epoch: str
     cached_blocks: int
-    def __init__(self, load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., epoch: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    fetched_tokens: int
+    blocks_served: int
+    def __init__(self, load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., epoch: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., blocks_served: _Optional[int] = ...) -> None: ...
 
 class CacheState(_message.Message):
     __slots__ = ("replica_id", "block_hashes", "integrity_ok", "integrity_error", "num_blocks", "free_blocks", "used_blocks", "inflight_requests")

@@ -126,6 +126,13 @@ def test_fetched_prefix_gives_the_cold_output(tiny_model_dir, dtype):
             asked = ids + prompt(20, seed=5)
             fetched, usage = await b.generate(asked, fetch_hint=a.hint(6))
             assert usage.cached_tokens == 96 and usage.fetched_tokens == 96
+            md = bearer_metadata(KEY)
+            assert (await b.admin.GetStats(pb.Empty(), metadata=md)).fetched_tokens == 96
+            assert (await a.admin.GetStats(pb.Empty(), metadata=md)).blocks_served == 6
+            labels = {"model": b.engine.model_id, "replica": "fetch-1"}
+            sample = b.server.metrics.registry.get_sample_value
+            assert sample("prefixmesh_fetched_tokens_total", labels) == 96
+            assert sample("prefixmesh_kv_fetches_total", {**labels, "outcome": "fetched"}) == 1
             # The same prompt cold on B: prefix cache dropped, no hint.
             await b.server.loop.call(lambda e: e.reset_prefix_cache())
             cold, cold_usage = await b.generate(asked)

@@ -67,6 +67,7 @@ class BlockService:
         self.kv_caches = kv_caches
         self.layout = layout
         self.metrics = metrics
+        self.blocks_served = 0  # since start, for GetStats
 
     async def check(self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext):
         """Abort with INVALID_ARGUMENT / FAILED_PRECONDITION when the request cannot be served."""
@@ -114,6 +115,7 @@ class BlockService:
                         keys=keys,
                         values=values,
                     )
+                self.blocks_served += len(chunk)
                 if self.metrics is not None:
                     self.metrics.blocks_served.inc(len(chunk))
         finally:

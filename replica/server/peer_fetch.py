@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 class FetchConfig:
     """The knobs of fetch-on-miss (``--fetch-*`` flags of ``prefixmesh replica``)."""
 
-    enabled: bool = True
     timeout_s: float = 10.0  # the longest a transfer may take before recompute takes over
     min_blocks: int = 1  # fetch only when a peer holds at least this many more blocks
     bytes_per_s: float = 200e6  # starting guesses, replaced by measurements
@@ -159,6 +158,7 @@ class PeerFetcher:
         self.holders = holders
         self.metrics = metrics
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.fetched_tokens = 0  # since start, for GetStats
 
     async def fetch(
         self, prompt: list[int], cache_salt: str | None, hint: pb.FetchHint | None
@@ -187,6 +187,7 @@ class PeerFetcher:
         num_bytes = len(blocks) * self.bytes_per_block
         if outcome == "fetched":
             self.cost.record_transfer(num_bytes, seconds)
+        self.fetched_tokens += fetched * bs
         self._count(outcome, fetched * bs, num_bytes)
         log.debug(
             "fetched %d of %d blocks from %s in %.3fs (%s)",

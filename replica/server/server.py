@@ -161,7 +161,7 @@ class ReplicaServer:
             loop, self.admission, model, metrics, self.limits, self.tenants, self.fetcher
         )
         blocks = BlockService(loop, engine.runner.kv_caches, layout, metrics)
-        replica = ReplicaService(loop, self.admission, model, self._epoch, blocks)
+        replica = ReplicaService(loop, self.admission, model, self._epoch, blocks, self.fetcher)
         pb_grpc.add_GeneratorServicer_to_server(generator, server)
         pb_grpc.add_ReplicaServicer_to_server(replica, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -186,7 +186,6 @@ class ReplicaServer:
         if cfg.redis:
             holders = RedisHolders(cfg.redis, cfg.namespace, self.replica_id, layout)
         fetch = FetchConfig(
-            enabled=True,
             timeout_s=cfg.fetch_timeout,
             min_blocks=cfg.fetch_min_blocks,
             bytes_per_s=cfg.fetch_mb_per_s * 1e6,

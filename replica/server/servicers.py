@@ -207,12 +207,14 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         model: ServedModel,
         epoch: Callable[[], str],
         blocks: BlockService | None = None,
+        fetcher: PeerFetcher | None = None,
     ) -> None:
         self.loop = loop
         self.admission = admission
         self.model = model
         self.epoch = epoch  # the Redis lease's epoch ("" without Redis)
         self.blocks = blocks  # FetchBlocks (replica/server/block_service.py)
+        self.fetcher = fetcher  # only read for its counts
 
     async def GetLoad(self, request: pb.Empty, context: Ctx) -> pb.ReplicaLoad:  # noqa: N802
         return load_message(self.loop.stats, self.model.replica_id)
@@ -232,6 +234,8 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             hash_scheme=HASH_SCHEME,
             epoch=self.epoch(),
             cached_blocks=s.cached_blocks,
+            fetched_tokens=self.fetcher.fetched_tokens if self.fetcher else 0,
+            blocks_served=self.blocks.blocks_served if self.blocks else 0,
         )
 
     async def GetModelInfo(self, request: pb.Empty, context: Ctx) -> pb.ModelInfo:  # noqa: N802
