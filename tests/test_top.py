@@ -64,7 +64,10 @@ class _Replica(pb_grpc.ReplicaServicer):
     def GetStats(self, request, context):  # noqa: N802
         _check_key(context, self.key)
         return pb.ReplicaStats(
-            prefix_cache_queries=400, prefix_cache_hits=100, generation_tokens=50, epoch="e1",
+            prefix_cache_queries=400,
+            prefix_cache_hits=100,
+            generation_tokens=50,
+            epoch="e1",
             fetched_tokens=4321,
         )
 
