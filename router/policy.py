@@ -31,6 +31,12 @@ with more demand a third replica warms. Costs within ``tie_tokens`` are ties, wo
 holding the longest prefix, then by the highest rendezvous hash of (prefix, replica): when
 demand cools, every router sends the prefix back to the same single replica and the extra
 copies age out of the other caches.
+
+**Fetch hint** (every policy): when the chosen replica holds fewer leading blocks of the prompt
+than another replica actually has cached (spillover, or a policy blind to caches), the router
+names that replica (``fetch_source``) in the request's ``fetch_hint``. The chosen replica may
+then copy those blocks (``Replica.FetchBlocks``) instead of prefilling them, if its own cost
+model says that is faster (replica/server/peer_fetch.py); the routing choice itself is unchanged.
 """
 
 from __future__ import annotations
@@ -125,6 +131,15 @@ def decide(request: RouteRequest, candidates: Sequence[Candidate], chosen: Candi
         predicted_cached_tokens=hit_tokens(request, chosen.matched_blocks),
         weight_tokens=weight(request, chosen),
     )
+
+
+def fetch_source(candidates: Sequence[Candidate], chosen: Candidate) -> Candidate | None:
+    """The replica to name in a fetch hint: the one holding the most leading blocks, if it
+    holds more than ``chosen`` (cached ones only: predicted blocks are not computed yet)."""
+    best = max(candidates, key=lambda c: c.cached_blocks, default=None)
+    if best is None or best is chosen or best.cached_blocks <= chosen.cached_blocks:
+        return None
+    return best
 
 
 class Policy(ABC):

@@ -201,3 +201,15 @@ def test_make_policy_passes_the_request_bound() -> None:
     assert isinstance(p, CacheAwarePolicy) and p.request_epsilon == 0.1
     off = make_policy("cache_aware", request_epsilon=None)
     assert isinstance(off, CacheAwarePolicy) and off.request_epsilon is None
+
+
+def test_fetch_source_names_a_replica_holding_more_cached_blocks() -> None:
+    from router.policy import fetch_source
+
+    warm = Candidate("warm", cached_blocks=10)
+    spill = Candidate("spill", cached_blocks=2, predicted_blocks=12)
+    cold = Candidate("cold")
+    assert fetch_source([warm, spill, cold], cold) is warm
+    assert fetch_source([warm, spill, cold], spill) is warm  # predicted is not held yet
+    assert fetch_source([warm, spill, cold], warm) is None
+    assert fetch_source([cold, Candidate("c2")], cold) is None
