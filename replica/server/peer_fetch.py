@@ -159,6 +159,7 @@ class PeerFetcher:
         self.metrics = metrics
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.fetched_tokens = 0  # since start, for GetStats
+        self.last_transfer: tuple[int, float] | None = None  # bytes, seconds (benchmarks)
 
     async def fetch(
         self, prompt: list[int], cache_salt: str | None, hint: pb.FetchHint | None
@@ -187,6 +188,7 @@ class PeerFetcher:
         num_bytes = len(blocks) * self.bytes_per_block
         if outcome == "fetched":
             self.cost.record_transfer(num_bytes, seconds)
+        self.last_transfer = (num_bytes, seconds)
         self.fetched_tokens += fetched * bs
         self._count(outcome, fetched * bs, num_bytes)
         log.debug(
