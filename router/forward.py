@@ -310,12 +310,17 @@ class Forwarder:
 
 
 def _with_hint(request: pb.GenerateRequest, plan: RoutePlan) -> pb.GenerateRequest:
-    """The request with the plan's fetch hint (a copy; a client's own hint is kept)."""
-    if plan.fetch_hint is None or request.HasField("fetch_hint"):
+    """The request with the plan's fetch hint, or none (a copy when it changes).
+
+    A client's own hint is never passed on: the replica would dial the address it names with
+    the replicas' API key, which a router's client need not know."""
+    if plan.fetch_hint is None and not request.HasField("fetch_hint"):
         return request
     hinted = pb.GenerateRequest()
     hinted.CopyFrom(request)
-    hinted.fetch_hint.CopyFrom(plan.fetch_hint)
+    hinted.ClearField("fetch_hint")
+    if plan.fetch_hint is not None:
+        hinted.fetch_hint.CopyFrom(plan.fetch_hint)
     return hinted
 
 

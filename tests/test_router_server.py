@@ -570,5 +570,9 @@ def test_request_sent_past_the_holder_names_it_as_fetch_hint(redis_server: str) 
             assert hint.address == c.router.router.view.handles[first.replica_id].lease.address
             assert hint.num_blocks >= 12
             assert not first.received[-1].HasField("fetch_hint")  # it held nothing better
+            # A client's own hint never reaches a replica (it would dial it with the key).
+            bogus = pb.FetchHint(replica_id="x", address="203.0.113.1:1", num_blocks=99)
+            await c.generate([7000 + i for i in range(16)], fetch_hint=bogus)
+            assert all(r.received[-1].fetch_hint.address != bogus.address for r in c.replicas)
 
     asyncio.run(scenario())
