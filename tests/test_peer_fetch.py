@@ -302,3 +302,18 @@ def test_cost_model_fetches_only_when_cheaper(tiny_model_dir):
             assert usage.fetched_tokens == 0 and usage.cached_tokens == 0
 
     asyncio.run(go())
+
+
+def test_unreachable_redis_is_not_asked_on_every_request(tiny_model_dir):
+    from replica.server.block_service import KVLayout
+    from replica.server.peer_fetch import RedisHolders
+
+    async def go() -> None:
+        holders = RedisHolders("redis://127.0.0.1:1/0", "x", "me", KVLayout("m", "float32", BS))
+        assert await holders.best([b"\0" * 16]) is None  # refused: logged, not raised
+        started = time.monotonic()
+        assert await holders.best([b"\0" * 16]) is None  # within RETRY_AFTER_S: not asked
+        assert time.monotonic() - started < 0.01
+        await holders.close()
+
+    asyncio.run(go())

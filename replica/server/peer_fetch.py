@@ -95,13 +95,28 @@ class Holder:
 class RedisHolders:
     """Finds the live peer holding the longest run of a prompt's leading blocks in Redis."""
 
+    RETRY_AFTER_S = 5.0  # after a failed lookup, requests skip Redis this long
+
     def __init__(self, url: str, namespace: str, replica_id: str, layout: KVLayout) -> None:
-        self.client = aioredis.Redis.from_url(url, socket_timeout=1.0)
+        self.client = aioredis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
         self.ns = namespace
         self.replica_id = replica_id
         self.layout = layout
+        self._down_until = 0.0
 
     async def best(self, hashes: list[BlockHash]) -> Holder | None:
+        """None when no peer holds any of them, or Redis is unreachable (then not asked again
+        for ``RETRY_AFTER_S``: a Redis outage must not add its timeout to every request)."""
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            return await self._best(hashes)
+        except (RedisError, OSError) as exc:
+            self._down_until = time.monotonic() + self.RETRY_AFTER_S
+            log.warning("peer lookup in Redis failed: %s", exc)
+            return None
+
+    async def _best(self, hashes: list[BlockHash]) -> Holder | None:
         ns = self.ns
         ids = [i.decode() for i in await self.client.smembers(redis_layout.replicas_key(ns))]
         peers = [i for i in ids if i != self.replica_id]
@@ -204,11 +219,7 @@ class PeerFetcher:
             return Holder(hint.replica_id, hint.address, min(hint.num_blocks, len(hashes)))
         if self.holders is None:
             return None
-        try:
-            return await self.holders.best(hashes)
-        except (RedisError, OSError) as exc:
-            log.warning("peer lookup in Redis failed: %s", exc)
-            return None
+        return await self.holders.best(hashes)
 
     async def _pull(
         self,
