@@ -317,3 +317,18 @@ def test_unreachable_redis_is_not_asked_on_every_request(tiny_model_dir):
         await holders.close()
 
     asyncio.run(go())
+
+
+def test_a_burst_sharing_a_prefix_fetches_it_once(tiny_model_dir):
+    async def go() -> None:
+        async with replicas(tiny_model_dir) as (a, b):
+            ids = prompt(100)
+            await a.generate(ids)
+            results = await asyncio.gather(
+                *(b.generate(ids + [i, i], fetch_hint=a.hint(6)) for i in range(4))
+            )
+            assert all(usage.fetched_tokens == 96 for _, usage in results)
+            stats = await a.admin.GetStats(pb.Empty(), metadata=bearer_metadata(KEY))
+            assert stats.blocks_served == 6  # one transfer, not four
+
+    asyncio.run(go())

@@ -175,19 +175,21 @@ class PeerFetcher:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.fetched_tokens = 0  # since start, for GetStats
         self.last_transfer: tuple[int, float] | None = None  # bytes, seconds (benchmarks)
+        self._inflight: dict[BlockHash, asyncio.Future[int]] = {}  # by the deepest hash wanted
 
     async def fetch(
         self, prompt: list[int], cache_salt: str | None, hint: pb.FetchHint | None
     ) -> int:
-        """Fetch the prompt's leading blocks from a peer if that pays; tokens now held."""
+        """Fetch the prompt's leading blocks from a peer if that pays; tokens fetched."""
         bs = self.layout.block_size
         cacheable = (len(prompt) - 1) // bs  # never the last token: it needs logits
         hashes = block_hashes(prompt, bs, self.layout.model_id, cache_salt, cacheable)
-        if not hashes:
+        manager = self.loop.engine.block_manager
+        if not hashes or not manager.enable_prefix_caching:
             return 0
         # A read of the block index from the event loop: a stale answer only changes whether
         # this request fetches, and dict lookups are atomic under the GIL.
-        local = len(self.loop.engine.block_manager.match_prefix(hashes))
+        local = len(manager.match_prefix(hashes))
         holder = await self._holder(hashes, local, hint)
         if holder is None or holder.num_blocks - local < self.config.min_blocks:
             return 0
@@ -195,6 +197,22 @@ class PeerFetcher:
         if not self.cost.worth_it(gain * self.bytes_per_block, gain * bs):
             self._count("skipped_cost")
             return 0
+        # One transfer per prefix: a burst of requests sharing it waits for the first one's
+        # (in a task of its own, so a waiter or the first asker going away does not stop it).
+        key = hashes[holder.num_blocks - 1]
+        transfer = self._inflight.get(key)
+        if transfer is None:
+            transfer = asyncio.ensure_future(self._transfer(holder, hashes, local, cache_salt))
+            self._inflight[key] = transfer
+            transfer.add_done_callback(lambda _: self._inflight.pop(key, None))
+        return await asyncio.shield(transfer)
+
+    async def _transfer(
+        self, holder: Holder, hashes: list[BlockHash], local: int, cache_salt: str | None
+    ) -> int:
+        """Pull blocks ``local`` .. ``holder.num_blocks`` and insert them; tokens inserted."""
+        bs = self.layout.block_size
+        gain = holder.num_blocks - local
         deadline = min(self.config.timeout_s, max(0.5, 2 * self.cost.recompute_s(gain * bs)))
         started = time.monotonic()
         blocks, outcome = await self._pull(holder, hashes, local, cache_salt, deadline)
