@@ -274,8 +274,14 @@ def test_fetch_found_through_redis(tiny_model_dir, redis_server):
             while not all(await client.smismember(key, hashes)):
                 assert time.monotonic() < deadline, "A's blocks never reached Redis"
                 await asyncio.sleep(0.05)
-            _, usage = await b.generate(ids + [9, 9, 9])
+            # A hint whose address no lease names is not dialled; Redis names the holder.
+            bogus = pb.FetchHint(replica_id=a.server.replica_id, address="127.0.0.1:1",
+                                 num_blocks=6)  # fmt: skip
+            _, usage = await b.generate(ids + [9, 9, 9], fetch_hint=bogus)
             assert usage.fetched_tokens == 96
+            sample = b.server.metrics.registry.get_sample_value
+            labels = {"model": b.engine.model_id, "replica": "fetch-1", "outcome": "fetched"}
+            assert sample("prefixmesh_kv_fetches_total", labels) == 1  # no failed try first
             # B's KV events announce the fetched blocks under their own hashes.
             key_b = f"fetch:blocks:{b.server.replica_id}"
             while not all(await client.smismember(key_b, hashes)):

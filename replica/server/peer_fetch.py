@@ -116,6 +116,19 @@ class RedisHolders:
             log.warning("peer lookup in Redis failed: %s", exc)
             return None
 
+    async def registered(self, replica_id: str, address: str) -> bool:
+        """Whether ``replica_id`` holds a live lease at ``address`` (a hint is checked before
+        this replica dials it with its API key)."""
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            lease = await self.client.hget(redis_layout.lease_key(replica_id, self.ns), "address")
+        except (RedisError, OSError) as exc:
+            self._down_until = time.monotonic() + self.RETRY_AFTER_S
+            log.warning("checking a fetch hint in Redis failed: %s", exc)
+            return False
+        return lease is not None and lease.decode() == address
+
     async def _best(self, hashes: list[BlockHash]) -> Holder | None:
         ns = self.ns
         ids = [i.decode() for i in await self.client.smembers(redis_layout.replicas_key(ns))]
@@ -234,7 +247,12 @@ class PeerFetcher:
         self, hashes: list[BlockHash], local: int, hint: pb.FetchHint | None
     ) -> Holder | None:
         if hint is not None and hint.address and hint.num_blocks > local:
-            return Holder(hint.replica_id, hint.address, min(hint.num_blocks, len(hashes)))
+            trusted = self.holders is None or await self.holders.registered(
+                hint.replica_id, hint.address
+            )
+            if trusted:
+                return Holder(hint.replica_id, hint.address, min(hint.num_blocks, len(hashes)))
+            log.warning("fetch hint %s at %s has no lease: ignored", hint.replica_id, hint.address)
         if self.holders is None:
             return None
         return await self.holders.best(hashes)
