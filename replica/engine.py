@@ -22,7 +22,7 @@ from replica.allocator import keep_freed_memory
 from replica.block_manager import BlockManager, HostBlockPool, NoFreeBlocksError
 from replica.config import EngineConfig
 from replica.engine_request import EngineRequest
-from replica.kv_transfer import FetchedBlock, PinnedBlocks, chained_prefix
+from replica.kv_transfer import FetchedBlocks, PinnedBlocks, chained_prefix
 from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
 from replica.output_processor import OutputProcessor
@@ -385,7 +385,7 @@ class LLMEngine:
     def num_pinned_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._pins.values())
 
-    def import_blocks(self, fetched: list[FetchedBlock]) -> int:
+    def import_blocks(self, fetched: FetchedBlocks) -> int:
         """Put blocks fetched from a peer (leading blocks of one prompt, in order) into the
         prefix cache under their own hashes; returns how many leading ones are now held.
 
@@ -396,8 +396,10 @@ class LLMEngine:
         if not bm.enable_prefix_caching:
             return 0
         held: list[int] = []
-        for item in fetched:
-            existing = bm.match_prefix([item.block_hash])
+        rows: list[int] = []  # rows of ``fetched`` to copy, into ``new``
+        new: list[int] = []
+        for i, block_hash in enumerate(fetched.hashes):
+            existing = bm.match_prefix([block_hash])
             if existing:
                 bm.reference(existing)
                 held += existing
@@ -406,9 +408,12 @@ class LLMEngine:
                 block = bm.allocate()
             except NoFreeBlocksError:
                 break
-            self.runner.write_block(block, item.keys, item.values)
-            bm.cache_block(block, item.block_hash, item.token_ids)
+            rows.append(i)
+            new.append(block)
             held.append(block)
+        self.runner.write_blocks(new, rows, fetched.keys, fetched.values)
+        for i, block in zip(rows, new):
+            bm.cache_block(block, fetched.hashes[i], fetched.token_ids[i])
         bm.release(held)  # now cached and evictable, the tail first
         self._flush_kv_events()
         return len(held)

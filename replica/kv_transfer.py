@@ -30,13 +30,18 @@ class PinnedBlocks(NamedTuple):
 
 
 @dataclass(slots=True)
-class FetchedBlock:
-    """One block received from a peer, its KV already in this replica's dtype and shape."""
+class FetchedBlocks:
+    """Leading blocks of one prompt received from a peer, in order, their KV already in this
+    replica's dtype: per layer one tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    of keys and one of values (one copy per layer into the pool, not one per block)."""
 
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
-    keys: list[torch.Tensor]  # per layer, [block_size, num_kv_heads, head_dim]
+    hashes: list[BlockHash]
+    token_ids: list[tuple[int, ...]]
+    keys: list[torch.Tensor]
     values: list[torch.Tensor]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
 
 
 def chained_prefix(
@@ -70,20 +75,28 @@ def read_blocks(
     if not blocks:
         return []
     index = torch.tensor(blocks, device=kv_caches[0][0].device)
-    gathered = [(k.index_select(0, index).cpu(), v.index_select(0, index).cpu())
-                for k, v in kv_caches]  # fmt: skip
-    return [
-        ([tensor_bytes(k[i]) for k, _ in gathered], [tensor_bytes(v[i]) for _, v in gathered])
-        for i in range(len(blocks))
-    ]
+    n = len(blocks)
+    keys: list[list[bytes]] = [[] for _ in range(n)]
+    values: list[list[bytes]] = [[] for _ in range(n)]
+    for k_cache, v_cache in kv_caches:
+        for cache, out in ((k_cache, keys), (v_cache, values)):
+            data = tensor_bytes(cache.index_select(0, index))
+            size = len(data) // n
+            for i in range(n):
+                out[i].append(data[i * size : (i + 1) * size])
+    return list(zip(keys, values))
 
 
-def block_tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """One layer's keys or values from their bytes; ``ValueError`` if the size is wrong."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    expected = size
-    for n in shape:
+def layer_tensor(
+    parts: Sequence[bytes], dtype: torch.dtype, block_shape: tuple[int, ...]
+) -> torch.Tensor:
+    """One layer's keys or values of several blocks, ``[len(parts), *block_shape]``, from each
+    block's bytes; ``ValueError`` if a block has the wrong size."""
+    expected = torch.tensor([], dtype=dtype).element_size()
+    for n in block_shape:
         expected *= n
-    if len(data) != expected:
-        raise ValueError(f"a block layer has {len(data)} bytes, expected {expected}")
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    for data in parts:
+        if len(data) != expected:
+            raise ValueError(f"a block layer has {len(data)} bytes, expected {expected}")
+    joined = bytearray(b"".join(parts))
+    return torch.frombuffer(joined, dtype=dtype).view(len(parts), *block_shape)

@@ -10,7 +10,7 @@ import torch
 
 from prefixmesh.hashing import block_hashes
 from replica import LLM, SamplingParams
-from replica.kv_transfer import FetchedBlock, block_tensor, read_blocks
+from replica.kv_transfer import FetchedBlocks, layer_tensor, read_blocks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 BS = 16
@@ -36,14 +36,12 @@ def transfer(src: LLM, dst: LLM, ids: list[int], salt: str | None = None) -> int
         src_engine.unpin(pinned.pin_id)
     mc = dst_engine.model_config
     shape = (BS, mc.num_kv_heads, mc.head_dim)
-    fetched = [
-        FetchedBlock(
-            h, tokens,
-            [block_tensor(k, dst_engine.dtype, shape) for k in keys],
-            [block_tensor(v, dst_engine.dtype, shape) for v in values],
-        )
-        for h, tokens, (keys, values) in zip(pinned.hashes, pinned.token_ids, data)
-    ]  # fmt: skip
+    layers = range(mc.num_layers)
+    fetched = FetchedBlocks(
+        pinned.hashes, pinned.token_ids,
+        [layer_tensor([keys[i] for keys, _ in data], dst_engine.dtype, shape) for i in layers],
+        [layer_tensor([vals[i] for _, vals in data], dst_engine.dtype, shape) for i in layers],
+    )  # fmt: skip
     return dst_engine.import_blocks(fetched)
 
 

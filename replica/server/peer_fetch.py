@@ -30,7 +30,7 @@ from prefixmesh.hashing import BlockHash, block_hashes, hash_block, root_hash
 from prefixmesh.tls import TlsFiles, aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from replica.kv_transfer import FetchedBlock, block_tensor
+from replica.kv_transfer import FetchedBlocks, layer_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -309,20 +309,18 @@ class PeerFetcher:
             return 0
         return await self.loop.call(lambda e: e.import_blocks(fetched))
 
-    def _tensors(self, blocks: list[pb.KVBlock]) -> list[FetchedBlock]:
+    def _tensors(self, blocks: list[pb.KVBlock]) -> FetchedBlocks:
         shape, dtype = self.block_shape, self.dtype
         for b in blocks:
             if len(b.keys) != self.num_layers or len(b.values) != self.num_layers:
                 raise ValueError(f"a block has {len(b.keys)} layers, expected {self.num_layers}")
-        return [
-            FetchedBlock(
-                b.block_hash,
-                tuple(b.token_ids),
-                [block_tensor(k, dtype, shape) for k in b.keys],
-                [block_tensor(v, dtype, shape) for v in b.values],
-            )
-            for b in blocks
-        ]
+        layers = range(self.num_layers)
+        return FetchedBlocks(
+            [b.block_hash for b in blocks],
+            [tuple(b.token_ids) for b in blocks],
+            [layer_tensor([b.keys[i] for b in blocks], dtype, shape) for i in layers],
+            [layer_tensor([b.values[i] for b in blocks], dtype, shape) for i in layers],
+        )
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
