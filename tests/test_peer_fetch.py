@@ -90,11 +90,12 @@ async def replicas(
     started: list[Replica] = []
     try:
         for i in range(count):
-            config = ServerConfig(
+            settings = dict(
                 port=0, replica_id=f"fetch-{i}", model=str(model_dir), dtype=dtype,
                 block_size=BS, num_blocks=64, max_model_len=512, threads=1, api_key=KEY,
-                fetch_prefill_tokens_per_s=100.0, **overrides,
+                fetch_prefill_tokens_per_s=100.0,
             )  # fmt: skip
+            config = ServerConfig(**{**settings, **overrides})
             server = ReplicaServer(config, LLMEngine(config.engine_config()))
             await server.start()
             started.append(Replica(server))
@@ -336,5 +337,31 @@ def test_a_burst_sharing_a_prefix_fetches_it_once(tiny_model_dir):
             assert all(usage.fetched_tokens == 96 for _, usage in results)
             stats = await a.admin.GetStats(pb.Empty(), metadata=bearer_metadata(KEY))
             assert stats.blocks_served == 6  # one transfer, not four
+
+    asyncio.run(go())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_fetches_a_1500_token_prefix(smollm2_files, dtype):
+    """The issue's case: 1,500 tokens on A, the same plus a suffix on B."""
+
+    async def go() -> None:
+        overrides = dict(dtype=dtype, num_blocks=256, max_model_len=2048, threads=0,
+                         max_num_batched_tokens=2048)  # fmt: skip
+        async with replicas("smollm2", **overrides) as (a, b):
+            vocab = int(a.engine.model_config.vocab_size)
+            rng = random.Random(3)
+            ids = [rng.randrange(100, vocab) for _ in range(1500)]
+            asked = ids + [rng.randrange(100, vocab) for _ in range(16)]
+            await a.generate(ids)
+            fetched, usage = await b.generate(asked, fetch_hint=a.hint(93))
+            assert usage.cached_tokens >= 1488 and usage.fetched_tokens >= 1488
+            held, _ = await a.generate(asked)  # A's own hit on the very same KV
+            assert fetched == held
+            if dtype == "float32":  # bfloat16 hits round differently from a cold prefill
+                await b.server.loop.call(lambda e: e.reset_prefix_cache())
+                cold, cold_usage = await b.generate(asked)
+                assert cold_usage.cached_tokens == 0 and fetched == cold
 
     asyncio.run(go())
