@@ -25,6 +25,7 @@ class Chunk:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    fetched_tokens: int | None = None  # of cached_tokens, those a peer replica sent
     replica_id: str = ""
 
 

@@ -76,6 +76,7 @@ class GrpcClient(GenerateClient):
                         chunk.prompt_tokens = msg.usage.prompt_tokens
                         chunk.completion_tokens = msg.usage.completion_tokens
                         chunk.cached_tokens = msg.usage.cached_tokens
+                        chunk.fetched_tokens = msg.usage.fetched_tokens
                 yield chunk
         except grpc.aio.AioRpcError as e:
             raise ClientError(e.code().name, e.details() or "") from e

@@ -208,6 +208,7 @@ async def _chunks(content: aiohttp.StreamReader, replica: str) -> AsyncIterator[
                 prompt_tokens=usage.get("prompt_tokens"),
                 completion_tokens=completion,
                 cached_tokens=details.get("cached_tokens"),
+                fetched_tokens=details.get("fetched_tokens"),
                 replica_id=replica,
             )
             return

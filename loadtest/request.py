@@ -43,6 +43,7 @@ class RequestResult:
     output_tokens: int = 0
     expected_output_tokens: int = 0
     cached_tokens: int = 0
+    fetched_tokens: int = 0  # of cached_tokens, fetched from a peer replica
     replica_id: str = ""
     finish_reason: str = ""
     status: str = "OK"

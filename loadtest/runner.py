@@ -69,6 +69,7 @@ async def measure(
                 if chunk.completion_tokens:  # HTTP: events carry text, the usage the count
                     result.output_tokens = max(result.output_tokens, chunk.completion_tokens)
                 result.cached_tokens = chunk.cached_tokens or 0
+                result.fetched_tokens = chunk.fetched_tokens or 0
         if not result.finish_reason:
             result.status = "INCOMPLETE"
     except ClientError as e:

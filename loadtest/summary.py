@@ -69,6 +69,7 @@ def summarize(
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     cached_tokens = sum(r.cached_tokens for r in ok)
+    fetched_tokens = sum(r.fetched_tokens for r in ok)
     summary: dict[str, Any] = {
         "requests": {
             "sent": len(measured),
@@ -87,7 +88,12 @@ def summarize(
             "output_tokens_per_s": per_s(output_tokens),
             "total_tokens_per_s": per_s(prompt_tokens + output_tokens),
         },
-        "tokens": {"prompt": prompt_tokens, "output": output_tokens, "cached": cached_tokens},
+        "tokens": {
+            "prompt": prompt_tokens,
+            "output": output_tokens,
+            "cached": cached_tokens,
+            "fetched": fetched_tokens,  # of the cached ones, sent by a peer replica
+        },
         "latency_ms": {
             "ttft": latency_stats(r.ttft for r in ok),
             "tpot": latency_stats(r.tpot for r in ok),

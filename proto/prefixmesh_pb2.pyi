@@ -61,7 +61,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "cache_salt", "resume_token_ids", "resume_text_chars")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "cache_salt", "resume_token_ids", "resume_text_chars", "fetch_hint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_HINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -80,7 +81,18 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
+    fetch_hint: FetchHint
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ..., fetch_hint: _Optional[_Union[FetchHint, _Mapping]] = ...) -> None: ...
+
+class FetchHint(_message.Message):
+    __slots__ = ("replica_id", "address", "num_blocks")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    num_blocks: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -101,14 +113,16 @@ class Logprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "fetched_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    fetched_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., fetched_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage", "replica_id", "logprobs", "stop_reason")
@@ -131,6 +145,36 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
     stop_reason: str
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "cache_salt", "model", "dtype", "block_size", "hash_scheme", "start")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    cache_salt: str
+    model: str
+    dtype: str
+    block_size: int
+    hash_scheme: str
+    start: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
+
+class KVBlock(_message.Message):
+    __slots__ = ("block_hash", "token_ids", "keys", "values")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -155,7 +199,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("load", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens", "generation_tokens", "finished_by_reason", "model", "block_size", "hash_scheme", "epoch", "cached_blocks")
+    __slots__ = ("load", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens", "generation_tokens", "finished_by_reason", "model", "block_size", "hash_scheme", "epoch", "cached_blocks", "fetched_tokens", "blocks_served")
     class FinishedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +219,8 @@ class ReplicaStats(_message.Message):
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
     load: ReplicaLoad
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -187,7 +233,9 @@ class ReplicaStats(_message.Message):
     hash_scheme: str
     epoch: str
     cached_blocks: int
-    def __init__(self, load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., epoch: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    fetched_tokens: int
+    blocks_served: int
+    def __init__(self, load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., epoch: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., blocks_served: _Optional[int] = ...) -> None: ...
 
 class CacheState(_message.Message):
     __slots__ = ("replica_id", "block_hashes", "integrity_ok", "integrity_error", "num_blocks", "free_blocks", "used_blocks", "inflight_requests")

@@ -144,6 +144,11 @@ class ReplicaStub:
                 request_serializer=proto_dot_prefixmesh__pb2.Empty.SerializeToString,
                 response_deserializer=proto_dot_prefixmesh__pb2.CacheState.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/prefixmesh.v1.Replica/FetchBlocks',
+                request_serializer=proto_dot_prefixmesh__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=proto_dot_prefixmesh__pb2.KVBlock.FromString,
+                _registered_method=True)
 
 
 class ReplicaServicer:
@@ -180,6 +185,15 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """KV transfer between replicas: the leading blocks of block_hashes this replica holds, in
+        order, one message per block. Blocks are pinned while they stream. FAILED_PRECONDITION
+        when model, dtype, block size or hash scheme differ from the asker's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +216,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.GetCacheState,
                     request_deserializer=proto_dot_prefixmesh__pb2.Empty.FromString,
                     response_serializer=proto_dot_prefixmesh__pb2.CacheState.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=proto_dot_prefixmesh__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=proto_dot_prefixmesh__pb2.KVBlock.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +335,33 @@ class Replica:
             '/prefixmesh.v1.Replica/GetCacheState',
             proto_dot_prefixmesh__pb2.Empty.SerializeToString,
             proto_dot_prefixmesh__pb2.CacheState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prefixmesh.v1.Replica/FetchBlocks',
+            proto_dot_prefixmesh__pb2.FetchBlocksRequest.SerializeToString,
+            proto_dot_prefixmesh__pb2.KVBlock.FromString,
             options,
             channel_credentials,
             insecure,

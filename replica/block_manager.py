@@ -6,8 +6,10 @@ Every block is in exactly one of three states:
   least-recently-used (in ``_evictable``, oldest first),
 - in use: referenced by one or more sequences' block tables (``ref_count > 0``), hashed or not.
 
-A block gets its hash once it is full of computed tokens; identical content computed twice keeps
-the first block as the cached copy. Changes to the set of cached hashes are reported through
+A block gets its hash (and remembers its token ids, which a peer fetching it needs) once it is
+full of computed tokens; identical content computed twice keeps the first block as the cached
+copy. A cached block is never written again, so a block pinned by a reference (a sequence, or a
+transfer to a peer replica) holds the same KV until it is released. Changes to the set of cached hashes are reported through
 ``on_stored`` / ``on_removed`` so the replica can mirror them to Redis.
 """
 
@@ -39,6 +41,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
@@ -98,6 +101,7 @@ class BlockManager:
             evicted = self.block_hash[block]
             assert evicted is not None
             self.block_hash[block] = None
+            self.block_tokens[block] = None
             del self._hash_to_block[evicted]
             self._on_removed(evicted)
         else:
@@ -116,8 +120,12 @@ class BlockManager:
                 else:
                     self._free.append(b)
 
-    def cache_block(self, block: int, block_hash: BlockHash) -> int:
+    def cache_block(
+        self, block: int, block_hash: BlockHash, token_ids: tuple[int, ...] | None = None
+    ) -> int:
         """Register a full block under its hash; returns the block that now holds the hash.
+
+        ``token_ids`` are the block's tokens, kept so the block can be served to a peer.
 
         If the hash is already cached in another block (the same prefix computed twice in one
         step), that block stays the cached copy and ``block`` remains unhashed.
@@ -130,6 +138,7 @@ class BlockManager:
         if self.block_hash[block] is not None:
             return block
         self.block_hash[block] = block_hash
+        self.block_tokens[block] = token_ids
         self._hash_to_block[block_hash] = block
         self._on_stored(block_hash)
         return block
@@ -142,6 +151,7 @@ class BlockManager:
             h = self.block_hash[block]
             assert h is not None
             self.block_hash[block] = None
+            self.block_tokens[block] = None
             del self._hash_to_block[h]
             self._on_removed(h)
             self._free.append(block)
@@ -163,6 +173,7 @@ class BlockManager:
         assert len(set(self._free)) == free, "a block is on the free list twice"
         for b in self._free:
             assert self.ref_counts[b] == 0 and self.block_hash[b] is None
+            assert self.block_tokens[b] is None, f"free block {b} still names its tokens"
         for b in self._evictable:
             assert self.ref_counts[b] == 0 and self.block_hash[b] is not None
         for h, b in self._hash_to_block.items():

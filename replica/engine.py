@@ -19,9 +19,10 @@ from kernels.cpu_flags import cpu_flags
 from prefixmesh.hashing import BlockHash
 from prefixmesh.tokenizer import Tokenizer
 from replica.allocator import keep_freed_memory
-from replica.block_manager import BlockManager, HostBlockPool
+from replica.block_manager import BlockManager, HostBlockPool, NoFreeBlocksError
 from replica.config import EngineConfig
 from replica.engine_request import EngineRequest
+from replica.kv_transfer import FetchedBlocks, PinnedBlocks, chained_prefix
 from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
 from replica.output_processor import OutputProcessor
@@ -149,6 +150,8 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished_by_reason: dict[str, int] = {}
+        self._pins: dict[int, list[int]] = {}  # blocks held for transfers to peers
+        self._pin_ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -353,10 +356,73 @@ class LLMEngine:
         self._flush_kv_events()
         return dropped
 
+    # ------------------------------------------------------------------ KV transfer
+    def pin_prefix(
+        self, hashes: list[BlockHash], cache_salt: str | None, start: int = 0
+    ) -> PinnedBlocks:
+        """Reference the leading blocks of ``hashes`` held here whose tokens chain to them
+        from ``cache_salt``'s root, from block ``start`` on, so they stay put while a peer
+        reads them (none when the chain breaks before ``start``)."""
+        bm = self.block_manager
+        blocks = bm.match_prefix(hashes)
+        tokens = [bm.block_tokens[b] for b in blocks]
+        n = chained_prefix(hashes[: len(blocks)], tokens, self.model_id, cache_salt)
+        start = min(max(start, 0), n)
+        blocks = blocks[start:n]
+        bm.reference(blocks)
+        pin_id = next(self._pin_ids)
+        self._pins[pin_id] = blocks
+        token_ids = [t for t in tokens[start:n] if t is not None]
+        return PinnedBlocks(pin_id, blocks, list(hashes[start:n]), token_ids)
+
+    def unpin(self, pin_id: int) -> None:
+        """Release a transfer's blocks (a second call is a no-op)."""
+        blocks = self._pins.pop(pin_id, None)
+        if blocks:
+            self.block_manager.release(blocks)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._pins.values())
+
+    def import_blocks(self, fetched: FetchedBlocks) -> int:
+        """Put blocks fetched from a peer (leading blocks of one prompt, in order) into the
+        prefix cache under their own hashes; returns how many leading ones are now held.
+
+        Blocks already held are kept as they are; the others get fresh blocks (evicting the
+        least recently used cached ones) until the pool has none left.
+        """
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return 0
+        held: list[int] = []
+        rows: list[int] = []  # rows of ``fetched`` to copy, into ``new``
+        new: list[int] = []
+        for i, block_hash in enumerate(fetched.hashes):
+            existing = bm.match_prefix([block_hash])
+            if existing:
+                bm.reference(existing)
+                held += existing
+                continue
+            try:
+                block = bm.allocate()
+            except NoFreeBlocksError:
+                break
+            rows.append(i)
+            new.append(block)
+            held.append(block)
+        self.runner.write_blocks(new, rows, fetched.keys, fetched.values)
+        for i, block in zip(rows, new):
+            bm.cache_block(block, fetched.hashes[i], fetched.token_ids[i])
+        bm.release(held)  # now cached and evictable, the tail first
+        self._flush_kv_events()
+        return len(held)
+
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the block pool is inconsistent."""
         tables = [s.block_table for s in self.scheduler.running + self.scheduler.waiting]
+        tables += self._pins.values()
         self.block_manager.check_integrity(tables)
         for seq in self.scheduler.waiting:
             assert not seq.block_table, "a waiting sequence holds blocks"

@@ -67,6 +67,24 @@ class ModelRunner:
         """Copy whole blocks within the device pool (copy-on-write)."""
         self._copy(copies, self.kv_caches, self.kv_caches)
 
+    def write_blocks(
+        self,
+        blocks: list[int],
+        rows: list[int],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> None:
+        """Fill ``blocks`` in every layer with ``rows`` of ``keys`` / ``values`` (per layer,
+        ``[n, block_size, num_kv_heads, head_dim]``): blocks fetched from a peer replica."""
+        if not blocks:
+            return
+        dev = self.kv_caches[0][0].device
+        dst = torch.tensor(blocks, device=dev)
+        src = torch.tensor(rows)
+        for (k_cache, v_cache), k, v in zip(self.kv_caches, keys, values, strict=True):
+            k_cache.index_copy_(0, dst, k.index_select(0, src).to(dev))
+            v_cache.index_copy_(0, dst, v.index_select(0, src).to(dev))
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, ``(device, host)`` pairs."""
         self._copy(pairs, self.kv_caches, self.host_caches)

@@ -120,8 +120,10 @@ class Scheduler:
         if num_full <= seq.num_hashed_blocks:
             return
         self.update_block_hashes(seq)
+        bs = self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
-            self.bm.cache_block(seq.block_table[i], seq.block_hashes[i])
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.bm.cache_block(seq.block_table[i], seq.block_hashes[i], tokens)
         seq.num_hashed_blocks = num_full
 
     # ------------------------------------------------------------------ scheduling

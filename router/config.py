@@ -58,6 +58,7 @@ class RouterConfig:
     balance_window: int = 256
     tie_tokens: int = 32
     prefill_weight: float = 8.0
+    fetch_weight: float = -1.0
     predicted_ttl_ms: int = 5000
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     # Discovery and shared state.
@@ -107,6 +108,9 @@ _HELP: dict[str, str] = {
     "prefix hashes to (rendezvous), the same on every router",
     "prefill_weight": "cost of one uncached prompt token relative to one queued token: a miss "
     "costs the whole cluster (the prefix is computed and stored again), a queue only delays",
+    "fetch_weight": "cost of one prompt token another replica holds, which the chosen replica "
+    "can fetch from it (docs/fetch.md), in the units of --prefill-weight (about "
+    "prefill_weight / 7 on a CPU); negative = off, such tokens cost a full prefill",
     "predicted_ttl_ms": "how long a routing decision counts as 'this replica will hold the "
     "prefix' before the replica's own KV events confirm it (renewed while the request waits "
     "for its first token)",

@@ -143,8 +143,9 @@ class Forwarder:
             handle = plan.handle
             timeout = context.time_remaining()
             call = handle.generator.Generate(
-                attempt.request, timeout=timeout, metadata=self.router.view.metadata
-            )
+                _with_hint(attempt.request, plan), timeout=timeout,
+                metadata=self.router.view.metadata,
+            )  # fmt: skip
             if tries == 1:
                 self.metrics.overhead.observe(time.perf_counter() - arrival)
             try:
@@ -306,6 +307,21 @@ class Forwarder:
                     self.metrics.prompt_blocks.labels(kind).inc(n)
                 plan.misses = None
         return resp
+
+
+def _with_hint(request: pb.GenerateRequest, plan: RoutePlan) -> pb.GenerateRequest:
+    """The request with the plan's fetch hint, or none (a copy when it changes).
+
+    A client's own hint is never passed on: the replica would dial the address it names with
+    the replicas' API key, which a router's client need not know."""
+    if plan.fetch_hint is None and not request.HasField("fetch_hint"):
+        return request
+    hinted = pb.GenerateRequest()
+    hinted.CopyFrom(request)
+    hinted.ClearField("fetch_hint")
+    if plan.fetch_hint is not None:
+        hinted.fetch_hint.CopyFrom(plan.fetch_hint)
+    return hinted
 
 
 def _started(attempt: _Attempt, progress: _Progress) -> bool:

@@ -31,6 +31,15 @@ with more demand a third replica warms. Costs within ``tie_tokens`` are ties, wo
 holding the longest prefix, then by the highest rendezvous hash of (prefix, replica): when
 demand cools, every router sends the prefix back to the same single replica and the extra
 copies age out of the other caches.
+
+**Fetch hint** (every policy): when the chosen replica holds fewer leading blocks of the prompt
+than another replica actually has cached (spillover, or a policy blind to caches), the router
+names that replica (``fetch_source``) in the request's ``fetch_hint``. The chosen replica may
+then copy those blocks (``Replica.FetchBlocks``) instead of prefilling them, if its own cost
+model says that is faster (replica/server/peer_fetch.py). With ``--fetch-weight`` (off by
+default), cache_aware's cost also counts those tokens at the fetch's price, not a prefill's:
+``cost = prefill_weight * (uncached - fetchable) + fetch_weight * fetchable + load``, where
+``fetchable`` are the prompt tokens some replica holds beyond what this one holds.
 """
 
 from __future__ import annotations
@@ -127,6 +136,15 @@ def decide(request: RouteRequest, candidates: Sequence[Candidate], chosen: Candi
     )
 
 
+def fetch_source(candidates: Sequence[Candidate], chosen: Candidate) -> Candidate | None:
+    """The replica to name in a fetch hint: the one holding the most leading blocks, if it
+    holds more than ``chosen`` (cached ones only: predicted blocks are not computed yet)."""
+    best = max(candidates, key=lambda c: c.cached_blocks, default=None)
+    if best is None or best is chosen or best.cached_blocks <= chosen.cached_blocks:
+        return None
+    return best
+
+
 class Policy(ABC):
     """Picks one of ``candidates`` (never empty) for ``request``; no I/O, no side effects
     beyond the policy's own counters."""
@@ -195,6 +213,7 @@ class CacheAwarePolicy(Policy):
         prefill_weight: float = 1.0,
         request_epsilon: float | None = None,
         request_slack: int = 2,
+        fetch_weight: float | None = None,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -202,24 +221,36 @@ class CacheAwarePolicy(Policy):
         self.prefill_weight = prefill_weight
         self.request_epsilon = request_epsilon
         self.request_slack = request_slack
+        self.fetch_weight = fetch_weight  # None: a prefix held elsewhere costs a full prefill
 
     @classmethod
     def create(cls, **knobs: float) -> CacheAwarePolicy:
         bound = knobs.get("request_epsilon", -1.0)  # negative: no request bound
+        fetch = knobs.get("fetch_weight", -1.0)  # negative: fetching not counted
         return cls(
             knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
             knobs["prefill_weight"], bound if bound >= 0 else None,
+            fetch_weight=fetch if fetch >= 0 else None,
         )  # fmt: skip
 
-    def cost(self, request: RouteRequest, candidate: Candidate) -> float:
-        uncached = request.prompt_tokens - hit_tokens(request, candidate.matched_blocks)
+    def cost(self, request: RouteRequest, candidate: Candidate, held_blocks: int = 0) -> float:
+        """Prefill still owed there plus its load; with ``fetch_weight``, prompt tokens another
+        replica holds (``held_blocks``, the most any replica has cached) cost a fetch instead."""
+        hit = hit_tokens(request, candidate.matched_blocks)
+        uncached = request.prompt_tokens - hit
+        fetchable = 0
+        if self.fetch_weight is not None:
+            fetchable = max(0, hit_tokens(request, held_blocks) - hit)
         # Blocks predicted but not cached yet are being prefilled there for an earlier request
         # of the same burst: that queued work is work this request shares, not waits behind
         # any longer than it would prefilling the prefix itself elsewhere.
         shared = hit_tokens(request, candidate.matched_blocks) - hit_tokens(
             request, candidate.cached_blocks
         )
-        return self.prefill_weight * uncached + max(0, candidate.load - shared)
+        prefill = self.prefill_weight * (uncached - fetchable)
+        if fetchable:
+            prefill += (self.fetch_weight or 0.0) * fetchable
+        return prefill + max(0, candidate.load - shared)
 
     def within_bound(
         self, request: RouteRequest, candidate: Candidate, total_load: int, n: int
@@ -246,7 +277,8 @@ class CacheAwarePolicy(Policy):
         ]
         if not eligible:
             eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
-        costs = {c.replica_id: self.cost(request, c) for c in eligible}
+        held = max(c.cached_blocks for c in candidates)
+        costs = {c.replica_id: self.cost(request, c, held) for c in eligible}
         best = min(costs.values())
         tied = [c for c in eligible if costs[c.replica_id] <= best + self.tie_tokens]
         chosen = max(
@@ -263,6 +295,7 @@ def make_policy(
     tie_tokens: int = 32,
     prefill_weight: float = 8.0,
     request_epsilon: float | None = None,
+    fetch_weight: float | None = None,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
@@ -271,6 +304,7 @@ def make_policy(
         epsilon=epsilon, slack_tokens=slack_tokens, tie_tokens=tie_tokens,
         prefill_weight=prefill_weight,
         request_epsilon=-1.0 if request_epsilon is None else request_epsilon,
+        fetch_weight=-1.0 if fetch_weight is None else fetch_weight,
     )  # fmt: skip
 
 

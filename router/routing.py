@@ -39,6 +39,7 @@ from router.policy import (
     LeastLoadedPolicy,
     Policy,
     RouteRequest,
+    fetch_source,
     make_policy,
 )
 from router.prompt import PromptTokens, fallback_affinity, tokenize
@@ -62,6 +63,9 @@ class RoutePlan:
     done: bool = False
     misses: PendingMisses | None = None  # settled when the replica reports its cached tokens
     prefilled: bool = False
+    # A replica holding more of the prompt's leading blocks than the chosen one (policy.py's
+    # fetch_source): sent along so the chosen replica may fetch them instead of prefilling.
+    fetch_hint: pb.FetchHint | None = None
 
     @property
     def awaiting_prefill(self) -> bool:
@@ -131,6 +135,7 @@ class Router:
             name, epsilon=c.balance_epsilon, slack_tokens=c.balance_slack_tokens,
             tie_tokens=c.tie_tokens, prefill_weight=c.prefill_weight,
             request_epsilon=c.balance_requests_epsilon if c.balance_requests_epsilon >= 0 else None,
+            fetch_weight=c.fetch_weight if c.fetch_weight >= 0 else None,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -307,7 +312,20 @@ class Router:
             held_tokens=decision.weight_tokens,
         )
         self._track(plan, route_req, hashes, chosen, candidates)
+        plan.fetch_hint = self._fetch_hint(candidates, chosen)
         return plan
+
+    def _fetch_hint(
+        self, candidates: Sequence[Candidate], chosen: Candidate
+    ) -> pb.FetchHint | None:
+        source = fetch_source(candidates, chosen)
+        if source is None:
+            return None
+        return pb.FetchHint(
+            replica_id=source.replica_id,
+            address=self.view.handles[source.replica_id].lease.address,
+            num_blocks=source.cached_blocks,
+        )
 
     def _track(
         self,

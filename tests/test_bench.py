@@ -179,3 +179,16 @@ def test_prefill_bench_alternates_kernel_rows_and_sdpa(tiny_model_dir, tmp_path,
         assert len(result[case]["kernel"]) == len(result[case]["sdpa"]) == 2
         assert all(t > 0 for t in result[case]["kernel"] + result[case]["sdpa"])
     assert "kernel rows" in capsys.readouterr().out
+
+
+def test_fetch_bench_fetches_the_prefix_and_reports_the_transfer(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "fetch.json"
+    argv = ["fetch", "--model", str(tiny_model_dir), "--dtype", "float32", "--prompt-len", "100",
+            "--rounds", "2", "--max-tokens", "6", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["cached_tokens"] == [96, 96] and result["fetched_tokens"] == [96, 96]
+    assert result["identical_to_cold"] == [True, True]
+    assert result["identical_to_holder_hit"] == [True, True]
+    assert result["transfer_mb"] > 0 and result["transfer_mb_per_s"] > 0
+    assert "of which fetched [96, 96]" in capsys.readouterr().out

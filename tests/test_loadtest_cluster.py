@@ -40,6 +40,9 @@ def cluster(tiny_model_dir: Path) -> Iterator[tuple[str, list[str]]]:
                 "replica", "--port", address.rsplit(":", 1)[1], "--redis", redis.url,
                 "--model", str(tiny_model_dir), "--replica-id", f"r{i}", "--threads", "1",
                 "--num-blocks", "512",
+                # Policies are compared on routing alone: with fetching (docs/fetch.md) round
+                # robin's replicas copy the prefix from each other and hit as often.
+                "--no-fetch",
             ]))  # fmt: skip
         router = f"127.0.0.1:{free_port()}"
         procs.append(Proc.cli("router", *[

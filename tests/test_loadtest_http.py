@@ -106,7 +106,8 @@ class FakeOpenAI:
         else:
             usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
                      "total_tokens": len(prompt) + max_tokens,
-                     "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+                     "prompt_tokens_details": {"cached_tokens": cached,
+                                               "fetched_tokens": cached // 2}}  # fmt: skip
             await send({**head, "choices": [], "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -211,6 +212,8 @@ def test_cli_http_target_without_cluster(
     assert set(replicas) <= {"r0", "r1"} and sum(r["requests"] for r in replicas.values()) == 8
     assert all(r["hit_rate"] is not None for r in replicas.values())
     assert summary["hit_rate"] > 0  # groups share a 64-token system prompt
+    tokens = summary["tokens"]  # the fake says half its cached tokens came from a peer
+    assert 0 < tokens["fetched"] <= tokens["cached"] // 2 + 8
     assert "api_key" not in summary["settings"]
     assert all(b["model"] == "fake-model" for b in fake.bodies)  # from GET /v1/models
     # --compare switches router policies through the Cluster service: HTTP needs --cluster.

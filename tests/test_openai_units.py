@@ -116,7 +116,7 @@ class _Tok:
         return f"<{ids[0]}>"
 
 
-def _resp(index, ids, text, finish="", prompt=0, cached=0, top=()):
+def _resp(index, ids, text, finish="", prompt=0, cached=0, top=(), fetched=0):
     resp = pb.GenerateResponse(index=index, token_ids=ids, text=text, finish_reason=finish,
                                replica_id="r0")  # fmt: skip
     for t in ids:
@@ -125,6 +125,7 @@ def _resp(index, ids, text, finish="", prompt=0, cached=0, top=()):
                                               for u in top]))  # fmt: skip
     if finish:
         resp.usage.prompt_tokens, resp.usage.cached_tokens = prompt, cached
+        resp.usage.fetched_tokens = fetched
         resp.usage.completion_tokens = len(ids) + 1
     return resp
 
@@ -135,7 +136,7 @@ def test_completion_body_usage_and_logprobs_over_prompts_and_samples():
     for p in (0, 1):
         for i in (0, 1):
             builder.add(p, _resp(i, [7], "x", top=(8,)))
-            builder.add(p, _resp(i, [9], "y", "length", prompt=10, cached=4 + i))
+            builder.add(p, _resp(i, [9], "y", "length", prompt=10, cached=4 + i, fetched=i))
     body = builder.body()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert all(c["text"] == "xy" and c["finish_reason"] == "length" for c in body["choices"])
@@ -144,7 +145,8 @@ def test_completion_body_usage_and_logprobs_over_prompts_and_samples():
     assert lp["top_logprobs"][0] == {"<8>": -1.0}
     # Each prompt counted once (the best cached count of its samples), all samples' tokens.
     assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": 8, "total_tokens": 28,
-                             "prompt_tokens_details": {"cached_tokens": 10}}  # fmt: skip
+                             "prompt_tokens_details": {"cached_tokens": 10,
+                                                       "fetched_tokens": 2}}  # fmt: skip
 
 
 def test_chat_chunks_start_with_the_role_and_end_with_the_reason():

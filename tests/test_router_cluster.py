@@ -42,7 +42,10 @@ def start_replica(model: str, redis_url: str, replica_id: str, *extra: str) -> P
         "replica", "--model", model,
         "--port", str(free_port()), "--redis", redis_url, "--namespace", NS,
         "--replica-id", replica_id, "--threads", "1", "--dtype", "float32",
-        "--block-size", "16", *extra,
+        "--block-size", "16",
+        # These tests measure routing: a replica fetching a prefix from its peer (docs/fetch.md)
+        # would count as a hit wherever a request lands (round robin gets near cache_aware).
+        "--no-fetch", *extra,
     ])  # fmt: skip
 
 

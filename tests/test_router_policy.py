@@ -201,3 +201,29 @@ def test_make_policy_passes_the_request_bound() -> None:
     assert isinstance(p, CacheAwarePolicy) and p.request_epsilon == 0.1
     off = make_policy("cache_aware", request_epsilon=None)
     assert isinstance(off, CacheAwarePolicy) and off.request_epsilon is None
+
+
+def test_fetch_source_names_a_replica_holding_more_cached_blocks() -> None:
+    from router.policy import fetch_source
+
+    warm = Candidate("warm", cached_blocks=10)
+    spill = Candidate("spill", cached_blocks=2, predicted_blocks=12)
+    cold = Candidate("cold")
+    assert fetch_source([warm, spill, cold], cold) is warm
+    assert fetch_source([warm, spill, cold], spill) is warm  # predicted is not held yet
+    assert fetch_source([warm, spill, cold], warm) is None
+    assert fetch_source([cold, Candidate("c2")], cold) is None
+
+
+def test_fetch_weight_prices_a_prefix_held_elsewhere_as_a_fetch() -> None:
+    warm, idle = cand("warm", cached=63, inflight=3000), cand("idle")
+    request = req(1024)
+    # Without it the idle replica pays a full prefill (8 x 1,024) and the queue wins.
+    plain = make_policy("cache_aware", epsilon=10.0)
+    assert plain.choose(request, [warm, idle]).replica_id == "warm"
+    # A fetch costs 1 per token: 8 x 16 + 1,008 < 8 x 16 + 3,000 queued.
+    fetching = make_policy("cache_aware", epsilon=10.0, fetch_weight=1.0)
+    assert isinstance(fetching, CacheAwarePolicy) and fetching.fetch_weight == 1.0
+    assert fetching.cost(request, idle, held_blocks=63) == 8 * 16 + 1008
+    assert fetching.choose(request, [warm, idle]).replica_id == "idle"
+    assert make_policy("cache_aware").fetch_weight is None  # off unless asked for

@@ -553,3 +553,26 @@ def test_redis_outage_keeps_serving_and_cache_aware_routing_resumes() -> None:
         asyncio.run(scenario())
     finally:
         redis_handle.stop()
+
+
+def test_request_sent_past_the_holder_names_it_as_fetch_hint(redis_server: str) -> None:
+    async def scenario() -> None:
+        # round_robin ignores caches: the second request goes past the replica holding it.
+        async with cluster(redis_server, n=2, policy="round_robin") as c:
+            prefix = [3000 + i for i in range(48)]  # 12 blocks of the echo replicas' 4 tokens
+            await c.generate(prefix + [1])
+            first = next(r for r in c.replicas if r.received)
+            await asyncio.sleep(0.5)  # its KV events reach Redis
+            await c.generate(prefix + [2])
+            other = next(r for r in c.replicas if r is not first)
+            hint = other.received[-1].fetch_hint
+            assert hint.replica_id == first.replica_id
+            assert hint.address == c.router.router.view.handles[first.replica_id].lease.address
+            assert hint.num_blocks >= 12
+            assert not first.received[-1].HasField("fetch_hint")  # it held nothing better
+            # A client's own hint never reaches a replica (it would dial it with the key).
+            bogus = pb.FetchHint(replica_id="x", address="203.0.113.1:1", num_blocks=99)
+            await c.generate([7000 + i for i in range(16)], fetch_hint=bogus)
+            assert all(r.received[-1].fetch_hint.address != bogus.address for r in c.replicas)
+
+    asyncio.run(scenario())

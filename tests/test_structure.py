@@ -124,6 +124,8 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "prefixmesh.openai": {"prefixmesh", "proto"},
     "prefixmesh.cli": {"prefixmesh", "proto"},  # commands are imported by name, lazily
     "replica": {"prefixmesh", "kernels"},  # the engine: no grpc, no Redis
+    # Its benchmarks: ``fetch`` runs two replica servers, so it reaches into replica.server.
+    "replica.bench": {"replica", "replica.server", "prefixmesh", "proto", "kernels"},
     "replica.server": {"replica", "prefixmesh", "prefixmesh.openai", "proto", "kernels"},
     "router": {"prefixmesh", "prefixmesh.openai", "prefixmesh.cli", "proto"},  # no torch
     "loadtest": {"prefixmesh", "proto", "router"},  # router: the simulator replays its policies

@@ -64,7 +64,11 @@ class _Replica(pb_grpc.ReplicaServicer):
     def GetStats(self, request, context):  # noqa: N802
         _check_key(context, self.key)
         return pb.ReplicaStats(
-            prefix_cache_queries=400, prefix_cache_hits=100, generation_tokens=50, epoch="e1"
+            prefix_cache_queries=400,
+            prefix_cache_hits=100,
+            generation_tokens=50,
+            epoch="e1",
+            fetched_tokens=4321,
         )
 
 
@@ -96,6 +100,7 @@ def test_once_renders_every_replica_hit_rate(fake_router: str, capsys) -> None:
     assert set(lines) == {"replica-a", "replica-b"}
     assert "75.0%" in lines["replica-a"] and "12.5%" in lines["replica-b"]
     assert "25.0%" in lines["replica-a"]  # engine-side hit rate from Replica.GetStats
+    assert "4321" in lines["replica-a"]  # tokens it fetched from peers
     assert "cluster hit rate 62.4%" in out
     assert "cold 3" in out and "warm 7" in out and "failovers 1" in out
     # the router's miss attribution, in blocks and as shares of the cacheable ones

@@ -127,7 +127,7 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         ("replica", "left"), ("address", "left"), ("hit rate", "right"), ("", "left"),
         ("engine hit", "right"), ("requests", "right"), ("running", "right"),
         ("waiting", "right"), ("KV use", "right"), ("cached blocks", "right"),
-        ("gen tok/s", "right"),
+        ("fetched tok", "right"), ("gen tok/s", "right"),
     ):  # fmt: skip
         table.add_column(col, justify=justify, no_wrap=True)
     for info in sorted(s.replicas, key=lambda i: i.replica_id):
@@ -138,13 +138,15 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         load = info.load
         # The replica's own count is exact; the router's is what Redis holds (may lag).
         blocks = stats.cached_blocks if stats is not None else info.cached_blocks
+        # Prompt tokens whose KV the replica fetched from a peer (replica/server/peer_fetch.py).
+        fetched = str(stats.fetched_tokens) if stats is not None else "-"
         table.add_row(
             info.replica_id, info.address, _pct(info.hit_rate), _hit_bar(info.hit_rate),
             engine_hit, str(info.requests), str(load.running), str(load.waiting),
-            _pct(load.kv_usage), str(blocks), _rate(cur, prev, info.replica_id),
+            _pct(load.kv_usage), str(blocks), fetched, _rate(cur, prev, info.replica_id),
         )  # fmt: skip
     if not s.replicas:
-        table.add_row("(no live replicas)", *[""] * 10)
+        table.add_row("(no live replicas)", *[""] * 11)
     decisions = "  ".join(f"{k} {v}" for k, v in sorted(r.decisions.items())) or "none yet"
     routing = Text(
         f"routing: {decisions}   retries {r.retries}  failovers {r.failovers}  "

@@ -38,6 +38,7 @@ class _Choice:
 class _PromptUsage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    fetched_tokens: int = 0  # of cached_tokens, those whose KV came from a peer replica
 
 
 class ResponseBuilder:
@@ -75,6 +76,7 @@ class ResponseBuilder:
             usage = self.prompts.setdefault(prompt_index, _PromptUsage())
             usage.prompt_tokens = max(usage.prompt_tokens, resp.usage.prompt_tokens)
             usage.cached_tokens = max(usage.cached_tokens, resp.usage.cached_tokens)
+            usage.fetched_tokens = max(usage.fetched_tokens, resp.usage.fetched_tokens)
         return index
 
     # -- pieces -------------------------------------------------------------------------
@@ -82,12 +84,14 @@ class ResponseBuilder:
     def usage(self) -> dict[str, Any]:
         prompt = sum(u.prompt_tokens for u in self.prompts.values())
         cached = sum(u.cached_tokens for u in self.prompts.values())
+        fetched = sum(u.fetched_tokens for u in self.prompts.values())
         completion = sum(c.completion_tokens for c in self.choices.values())
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            # fetched_tokens is ours (not OpenAI's): cached tokens a peer replica sent.
+            "prompt_tokens_details": {"cached_tokens": cached, "fetched_tokens": fetched},
         }
 
     def _logprobs(self, entries: list[pb.Logprobs], text_offset: int) -> dict[str, Any] | None:

@@ -62,6 +62,12 @@ class ServerConfig:
     tls_client_ca: str = ""
     tls_ca: str = ""
     grace_period: float = 10.0
+    # Fetch-on-miss (replica/server/peer_fetch.py): a peer's KV blocks instead of a prefill.
+    fetch: bool = True
+    fetch_timeout: float = 10.0
+    fetch_min_blocks: int = 1
+    fetch_mb_per_s: float = 200.0
+    fetch_prefill_tokens_per_s: float = 1000.0
     attention_backend: str = "auto"
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
@@ -145,6 +151,14 @@ _HELP: dict[str, str] = {
     "'authorization: Bearer <key>' and HTTP /v1/* needs 'Authorization: Bearer <key>'; "
     "routers send it with their --replica-api-key (or --api-key)",
     "grace_period": "seconds in-flight requests get to finish after SIGTERM before abort",
+    "fetch": "fetch a prompt's leading KV blocks from a peer replica that holds them (named "
+    "by the router's fetch hint, else found in Redis) when the cost model says that is faster "
+    "than prefilling them (--no-fetch: always prefill)",
+    "fetch_timeout": "seconds a fetch may take at most (less when prefilling would be quicker); "
+    "past it the blocks that arrived are kept and the rest is prefilled",
+    "fetch_min_blocks": "fetch only when a peer holds at least this many more leading blocks",
+    "fetch_mb_per_s": "transfer speed assumed until the first fetch measures it (MB/s)",
+    "fetch_prefill_tokens_per_s": "prefill speed assumed until a prefill measures it",
     "attention_backend": "attention kernels: auto, torch or triton",
     "device": "torch device: cpu or cuda",
     "scheduling_policy": "fcfs or priority (lower GenerateRequest.priority first)",
@@ -185,6 +199,10 @@ def _check(config: ServerConfig) -> None:
         problems.append(f"--max-queue must be >= 1 (got {config.max_queue})")
     if config.grace_period < 0:
         problems.append(f"--grace-period must be >= 0 (got {config.grace_period})")
+    if config.fetch_timeout <= 0 or config.fetch_mb_per_s <= 0:
+        problems.append("--fetch-timeout and --fetch-mb-per-s must be > 0")
+    if config.fetch_prefill_tokens_per_s <= 0:
+        problems.append("--fetch-prefill-tokens-per-s must be > 0")
     if config.block_size < 1:
         problems.append(f"--block-size must be >= 1 (got {config.block_size})")
     problems += limits.check_limits(limits.RequestLimits.from_config(config))

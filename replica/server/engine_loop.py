@@ -99,6 +99,11 @@ class EngineLoop:
         """Abort a request: the engine frees its blocks before its next step."""
         self._post(_Command(lambda engine: engine.abort_request(request_id)))
 
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread between two steps; returns at once (from any
+        thread, and from a ``finally`` of a cancelled task, where nothing may be awaited)."""
+        self._post(_Command(fn))
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -108,8 +108,34 @@ class ReplicaMetrics:
             "Arrival to the last token of the request",
             _LATENCY_BUCKETS,
         )
+        # KV transfers between replicas (replica/server/peer_fetch.py, block_service.py).
+        self.fetched_tokens = Counter(
+            f"{PREFIX}_fetched_tokens", "Prompt tokens whose KV was fetched from a peer replica",
+            names, registry=self.registry,
+        ).labels(*values)  # fmt: skip
+        self.fetched_bytes = Counter(
+            f"{PREFIX}_kv_fetch_bytes", "KV bytes received from peer replicas",
+            names, registry=self.registry,
+        ).labels(*values)  # fmt: skip
+        self._fetches = Counter(
+            f"{PREFIX}_kv_fetches",
+            "Fetch decisions by outcome: fetched, timeout, failed (then recomputed), "
+            "skipped_cost (recomputing was cheaper)",
+            [*names, "outcome"], registry=self.registry,
+        )  # fmt: skip
+        self._labels = values
+        self.blocks_served = Counter(
+            f"{PREFIX}_kv_blocks_served", "KV blocks streamed to peer replicas",
+            names, registry=self.registry,
+        ).labels(*values)  # fmt: skip
         self.registry.register(_EngineStatsCollector(stats, labels))
         self._http: Any = None
+
+    def count_fetch(self, outcome: str, tokens: int = 0, num_bytes: int = 0) -> None:
+        """One fetch decision, and what it brought."""
+        self._fetches.labels(*self._labels, outcome).inc()
+        self.fetched_tokens.inc(tokens)
+        self.fetched_bytes.inc(num_bytes)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the ``/metrics`` HTTP endpoint in a daemon thread; returns the bound port."""

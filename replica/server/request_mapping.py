@@ -32,6 +32,7 @@ class MappedRequest:
 
     engine: EngineRequest  # its prompt: token ids, the resumed tokens appended
     num_resumed: int  # tokens an earlier replica generated, appended to the prompt
+    num_fetched_tokens: int = 0  # leading prompt tokens whose KV came from a peer replica
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -168,4 +169,5 @@ def response(
         msg.usage.prompt_tokens = prompt
         msg.usage.completion_tokens = out.num_output_tokens + req.num_resumed
         msg.usage.cached_tokens = min(out.num_cached_tokens, prompt)
+        msg.usage.fetched_tokens = min(req.num_fetched_tokens, msg.usage.cached_tokens)
     return msg

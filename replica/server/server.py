@@ -37,10 +37,12 @@ from prefixmesh.tls import TlsFiles
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from replica.server.admission import Admission
+from replica.server.block_service import BlockService, KVLayout
 from replica.server.config import ServerConfig, parse_config
 from replica.server.engine_loop import EngineLoop
 from replica.server.kv_publisher import KVEventBuffer, KVPublisher
 from replica.server.metrics import ReplicaMetrics
+from replica.server.peer_fetch import FetchConfig, PeerFetcher, RedisHolders
 from replica.server.servicers import GeneratorService, ReplicaService, ServedModel
 
 if TYPE_CHECKING:
@@ -75,6 +77,7 @@ class ReplicaServer:
         self.metrics_port = 0
         self.http: OpenAIHttpServer | None = None  # when --http-port is set
         self.http_address = ""
+        self.fetcher: PeerFetcher | None = None  # fetch-on-miss, unless --no-fetch
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
 
@@ -150,10 +153,15 @@ class ReplicaServer:
             vocab_size=int(engine.model_config.vocab_size),
             tokenizer=engine.tokenizer,
         )
+        layout = KVLayout(engine.model_id, str(engine.dtype).removeprefix("torch."),
+                          engine.block_size)  # fmt: skip
+        if self.config.fetch:
+            self.fetcher = self._peer_fetcher(loop, layout, metrics)
         generator = GeneratorService(
-            loop, self.admission, model, metrics, self.limits, self.tenants
+            loop, self.admission, model, metrics, self.limits, self.tenants, self.fetcher
         )
-        replica = ReplicaService(loop, self.admission, model, self._epoch)
+        blocks = BlockService(loop, engine.runner.kv_caches, layout, metrics)
+        replica = ReplicaService(loop, self.admission, model, self._epoch, blocks, self.fetcher)
         pb_grpc.add_GeneratorServicer_to_server(generator, server)
         pb_grpc.add_ReplicaServicer_to_server(replica, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -165,6 +173,29 @@ class ReplicaServer:
             (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         return services
+
+    def _peer_fetcher(
+        self, loop: EngineLoop, layout: KVLayout, metrics: ReplicaMetrics
+    ) -> PeerFetcher:
+        """Fetch-on-miss: peers come from the request's hint, or from Redis when there is one."""
+        from replica.model_runner import kv_bytes_per_block
+
+        cfg, engine = self.config, self.engine
+        mc = engine.model_config
+        holders = None
+        if cfg.redis:
+            holders = RedisHolders(cfg.redis, cfg.namespace, self.replica_id, layout)
+        fetch = FetchConfig(
+            timeout_s=cfg.fetch_timeout,
+            min_blocks=cfg.fetch_min_blocks,
+            bytes_per_s=cfg.fetch_mb_per_s * 1e6,
+            prefill_tokens_per_s=cfg.fetch_prefill_tokens_per_s,
+        )
+        return PeerFetcher(
+            loop, layout, (engine.block_size, mc.num_kv_heads, mc.head_dim), mc.num_layers,
+            engine.dtype, kv_bytes_per_block(mc, engine.block_size, engine.dtype), fetch,
+            api_key=cfg.api_key, tls=self.tls, holders=holders, metrics=metrics,
+        )  # fmt: skip
 
     async def _open_front_door(self) -> OpenAIHttpServer:
         """This replica's OpenAI door: its one model, ready while it serves and is not draining."""
@@ -222,6 +253,8 @@ class ReplicaServer:
             await self._server.stop(grace=0.5)
         if self.http is not None:
             await self.http.close()
+        if self.fetcher is not None:
+            await self.fetcher.close()
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
         if self.metrics is not None:

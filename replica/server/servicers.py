@@ -7,6 +7,7 @@ metrics, and ``ServedModel`` (what this replica serves, fixed once its port is b
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,13 +23,16 @@ from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from replica.server.admission import Admission
+from replica.server.block_service import BlockService
 from replica.server.engine_loop import EngineFailure, EngineLoop, RequestHandle
 from replica.server.metrics import ReplicaMetrics
 from replica.server.request_mapping import MappedRequest, engine_request, response
 
 if TYPE_CHECKING:
     from replica.engine import EngineStats, LLMEngine
+    from replica.server.peer_fetch import PeerFetcher
 
+log = logging.getLogger(__name__)
 Ctx = grpc.aio.ServicerContext  # every servicer method gets one
 
 
@@ -64,6 +68,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         metrics: ReplicaMetrics,
         limits: RequestLimits,
         tenants: TenantLimiter | None = None,
+        fetcher: PeerFetcher | None = None,
     ) -> None:
         self.loop = loop
         self.admission = admission
@@ -71,6 +76,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.metrics = metrics
         self.limits = limits  # prefixmesh/limits.py: bounded requests
         self.tenants = tenants  # prefixmesh/tenants.py: one tenant cannot starve others
+        self.fetcher = fetcher  # replica/server/peer_fetch.py: a peer's KV instead of prefill
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: Ctx
@@ -102,6 +108,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         admission.enter()
         waiting, handle, done = True, None, False
         try:
+            req.num_fetched_tokens = await self._fetch(request, req)
             try:
                 handle = await loop.submit(req.engine)
             except ValueError as exc:
@@ -122,6 +129,18 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 loop.abort(engine_id)  # cancelled, deadline expired or failed: free blocks
             loop.release(engine_id)
             admission.leave(still_waiting=waiting)
+
+    async def _fetch(self, request: pb.GenerateRequest, req: MappedRequest) -> int:
+        """Leading prompt tokens fetched from a peer (0 when none is, or on any failure:
+        the engine then prefills them; a fetch never fails the request)."""
+        if self.fetcher is None:
+            return 0
+        hint = request.fetch_hint if request.HasField("fetch_hint") else None
+        try:
+            return await self.fetcher.fetch(req.prompt_token_ids, req.engine.cache_salt, hint)
+        except Exception:
+            log.exception("fetch from a peer failed; prefilling instead")
+            return 0
 
     async def _tenant_ticket(
         self, request: pb.GenerateRequest, req: MappedRequest, context: Ctx
@@ -159,6 +178,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     metrics.time_to_first_token.observe(now - arrival)
                     scheduled = handle.scheduled_at or now
                     metrics.queue_time.observe(max(0.0, scheduled - arrival))
+                    self._record_prefill(
+                        out.num_prompt_tokens - out.num_cached_tokens, now - scheduled
+                    )
                 previous = last_token_at.get(out.index)
                 if previous is not None:
                     metrics.inter_token_latency.observe(now - previous)
@@ -167,6 +189,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 remaining -= 1
             yield response(out, client_id, replica_id, req)
         metrics.e2e_latency.observe(time.monotonic() - arrival)
+
+    def _record_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill's speed, for the fetch-or-recompute choice (long ones only: short ones
+        are mostly step overhead)."""
+        if self.fetcher is not None and tokens >= 4 * self.model.block_size:
+            self.fetcher.cost.record_prefill(tokens, seconds)
 
 
 class ReplicaService(pb_grpc.ReplicaServicer):
@@ -178,11 +206,15 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         admission: Admission,
         model: ServedModel,
         epoch: Callable[[], str],
+        blocks: BlockService | None = None,
+        fetcher: PeerFetcher | None = None,
     ) -> None:
         self.loop = loop
         self.admission = admission
         self.model = model
         self.epoch = epoch  # the Redis lease's epoch ("" without Redis)
+        self.blocks = blocks  # FetchBlocks (replica/server/block_service.py)
+        self.fetcher = fetcher  # only read for its counts
 
     async def GetLoad(self, request: pb.Empty, context: Ctx) -> pb.ReplicaLoad:  # noqa: N802
         return load_message(self.loop.stats, self.model.replica_id)
@@ -202,6 +234,8 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             hash_scheme=HASH_SCHEME,
             epoch=self.epoch(),
             cached_blocks=s.cached_blocks,
+            fetched_tokens=self.fetcher.fetched_tokens if self.fetcher else 0,
+            blocks_served=self.blocks.blocks_served if self.blocks else 0,
         )
 
     async def GetModelInfo(self, request: pb.Empty, context: Ctx) -> pb.ModelInfo:  # noqa: N802
@@ -236,3 +270,13 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             used_blocks=s.num_blocks - s.free_blocks,
             inflight_requests=self.admission.num_inflight,
         )
+
+    async def FetchBlocks(  # noqa: N802
+        self, request: pb.FetchBlocksRequest, context: Ctx
+    ) -> AsyncIterator[pb.KVBlock]:
+        if self.blocks is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this replica serves no KV blocks")
+        if self.admission.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
+        async for block in self.blocks.stream(request, context):
+            yield block

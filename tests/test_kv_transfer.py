@@ -1,0 +1,125 @@
+"""KV blocks moved between two engines (no network): pinning, the salt's chain, insertion under
+unchanged hashes, and greedy output after a transfer identical to a cold run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixmesh.hashing import block_hashes
+from replica import LLM, SamplingParams
+from replica.kv_transfer import FetchedBlocks, layer_tensor, read_blocks
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+BS = 16
+
+
+def make_llm(model_dir, dtype: str = "float32", num_kv_blocks: int = 64) -> LLM:
+    return LLM(str(model_dir), dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=BS)
+
+
+def prompt(n: int = 100, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 400) for _ in range(n)]
+
+
+def transfer(src: LLM, dst: LLM, ids: list[int], salt: str | None = None) -> int:
+    """Copy the blocks of ``ids`` that ``src`` holds into ``dst`` (as the servers do)."""
+    src_engine, dst_engine = src.engine, dst.engine
+    hashes = block_hashes(ids, BS, src_engine.model_id, salt)
+    pinned = src_engine.pin_prefix(hashes, salt)
+    try:
+        data = read_blocks(src_engine.runner.kv_caches, pinned.blocks)
+    finally:
+        src_engine.unpin(pinned.pin_id)
+    mc = dst_engine.model_config
+    shape = (BS, mc.num_kv_heads, mc.head_dim)
+    layers = range(mc.num_layers)
+    fetched = FetchedBlocks(
+        pinned.hashes, pinned.token_ids,
+        [layer_tensor([keys[i] for keys, _ in data], dst_engine.dtype, shape) for i in layers],
+        [layer_tensor([vals[i] for _, vals in data], dst_engine.dtype, shape) for i in layers],
+    )  # fmt: skip
+    return dst_engine.import_blocks(fetched)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fetched_prefix_gives_the_cold_output(tiny_model_dir, dtype):
+    src, dst, cold = (make_llm(tiny_model_dir, dtype) for _ in range(3))
+    ids = prompt(100)
+    src.generate([ids], GREEDY)
+    stored: list[bytes] = []
+    dst.engine.set_kv_event_callback(lambda added, removed: stored.extend(added))
+    assert transfer(src, dst, ids + [7, 8, 9]) == 6  # 100 tokens: 6 full blocks
+    expected = block_hashes(ids, BS, dst.engine.model_id)
+    assert stored == expected  # announced under the peer's hashes, unchanged
+    assert dst.engine.cached_block_hashes() == set(expected)
+    fetched = dst.generate([ids + [7, 8, 9]], GREEDY)[0]
+    cold_out = cold.generate([ids + [7, 8, 9]], GREEDY)[0]
+    assert fetched.num_cached_tokens == 96
+    assert cold_out.num_cached_tokens == 0
+    assert fetched.token_ids == cold_out.token_ids
+    for llm in (src, dst, cold):
+        llm.engine.check_integrity()
+        assert llm.engine.get_stats().free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_pinned_blocks_survive_eviction_and_are_released(tiny_model_dir):
+    src = make_llm(tiny_model_dir, num_kv_blocks=12)
+    ids = prompt(100)
+    src.generate([ids], GREEDY)
+    hashes = block_hashes(ids, BS, src.engine.model_id)
+    pinned = src.engine.pin_prefix(hashes, None)
+    assert len(pinned.blocks) == 6
+    assert src.engine.num_pinned_blocks == 6
+    src.engine.check_integrity()  # pins count as references
+    before = [src.engine.runner.kv_caches[0][0][b].clone() for b in pinned.blocks]
+    # Another prompt needs more blocks than are free: only unpinned ones may be evicted.
+    src.generate([prompt(90, seed=1)], SamplingParams(temperature=0, max_tokens=4))
+    assert set(hashes) <= src.engine.cached_block_hashes()
+    for b, old in zip(pinned.blocks, before):
+        assert torch.equal(src.engine.runner.kv_caches[0][0][b], old)
+    src.engine.unpin(pinned.pin_id)
+    src.engine.unpin(pinned.pin_id)  # twice is harmless
+    assert src.engine.num_pinned_blocks == 0
+    src.engine.check_integrity()
+    assert src.engine.get_stats().free_blocks == 12
+
+
+def test_another_salts_blocks_are_not_served(tiny_model_dir):
+    src = make_llm(tiny_model_dir)
+    ids = prompt(100)
+    src.engine.add_request("a", ids, GREEDY, cache_salt="tenant-a")
+    while src.engine.has_unfinished_requests():
+        src.engine.step()
+    salted = block_hashes(ids, BS, src.engine.model_id, "tenant-a")
+    # The right hashes but the wrong salt (or none): the tokens do not chain to them.
+    for salt in (None, "tenant-b"):
+        pinned = src.engine.pin_prefix(salted, salt)
+        assert pinned.blocks == []
+        src.engine.unpin(pinned.pin_id)
+    assert len(src.engine.pin_prefix(block_hashes(ids, BS, src.engine.model_id), None).blocks) == 0
+    pinned = src.engine.pin_prefix(salted, "tenant-a")
+    assert len(pinned.blocks) == 6
+    src.engine.unpin(pinned.pin_id)
+    pinned = src.engine.pin_prefix(salted, "tenant-a", start=4)
+    assert pinned.hashes == salted[4:6]
+    src.engine.unpin(pinned.pin_id)
+    for p in list(src.engine._pins):
+        src.engine.unpin(p)
+    src.engine.check_integrity()
+    assert src.engine.num_pinned_blocks == 0
+
+
+def test_import_into_a_full_pool_keeps_what_fits(tiny_model_dir):
+    src = make_llm(tiny_model_dir)
+    dst = make_llm(tiny_model_dir, num_kv_blocks=4)
+    ids = prompt(100)
+    src.generate([ids], GREEDY)
+    assert transfer(src, dst, ids) == 4  # 6 offered, the pool has 4
+    dst.engine.check_integrity()
+    out = dst.generate([ids[:40]], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert out.num_cached_tokens == 32
+    dst.engine.check_integrity()
