@@ -105,7 +105,10 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,  # rows of the packed batch whose next token is sampled
     ) -> torch.Tensor:
-        """Float32 logits ``[len(logits_indices), vocab]`` after writing the batch's KV."""
+        """Logits ``[len(logits_indices), vocab]`` in the model's dtype, after writing the batch's
+        KV. Not widened to float32 here: the sampler's argmax reads bfloat16 exactly, and it
+        widens only the rows it samples or takes logprobs of (a decode step's [64, 49152]
+        widening alone cost about 1 ms)."""
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, meta, kv_caches, logits_indices)
         c = self.config
@@ -131,7 +134,7 @@ class LlamaModel:
             gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
             hidden = residual + linear(F.silu(gate) * up, layer["down"])
         hidden = self._rms_norm(hidden[logits_indices], self.norm)
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head)
 
     def _forward_fused(
         self,
@@ -171,4 +174,4 @@ class LlamaModel:
                 x = ops.add_rms_norm(out, residual, self.layers[i + 1]["input_norm"], eps)
         rows = residual[logits_indices]  # a copy: only the sampled rows reach the LM head
         hidden = ops.add_rms_norm(out[logits_indices], rows, self.norm, eps)
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head)

@@ -104,7 +104,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Float32 logits for every scheduled sequence that reaches its last token this step,
+        """Logits (model dtype) for every scheduled sequence that reaches its last token this step,
         and the indices (into ``sched.scheduled``) of those sequences."""
         # Order matters: a block swapped out this step may be reused by a copy or a swap-in.
         self.swap_out(sched.swap_out)

@@ -366,3 +366,21 @@ def test_a_build_lock_left_by_a_killed_builder_is_cleared(tmp_path, monkeypatch)
     os.utime(lock, (old, old))
     cpu_ops._clear_stale_lock("stale_check")
     assert not lock.exists()
+
+
+# --------------------------------------------------------------------------- greedy sampling
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 37])  # SmolLM2's, and one with a scalar tail
+def test_argmax_rows_is_torchs_argmax(isa, dtype, vocab):
+    # First index on ties, a row's first NaN, an all -inf row (every id suppressed), a maximum
+    # in the scalar tail, and rows of a wider tensor (the sampler's buffers are views).
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(9, vocab + 5, generator=gen).to(dtype)
+    x = wide[:, :vocab]
+    x[1, 3] = x[1, vocab // 2] = 1e4
+    x[2, vocab - 1] = 1e4
+    x[3, 7] = x[3, 11] = float("nan")
+    x[4] = float("-inf")
+    x[5] = 0.0
+    assert _ops(isa).argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()

@@ -658,6 +658,38 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+// ---------------------------------------------------------------- greedy sampling
+// Index of each row's largest value, the first one on ties (torch.argmax's answer; a row with
+// a NaN answers its first NaN, as torch's does). A vector pass finds the maximum, a second
+// finds where it is. torch's own argmax on [64, 49152] logits took 3-8 ms on 2 cores, a
+// twentieth of a decode step.
+template <typename T>
+void argmax_rows_impl(const T* x, int64_t rows, int64_t n, int64_t stride, int64_t* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * stride;
+      fVec mx(-std::numeric_limits<float>::infinity());
+      int64_t i = 0;
+      for (; i + W <= n; i += W) mx = at::vec::maximum(mx, loadf(row + i));
+      float m = at::vec::vec_reduce_all<float>(
+          [](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, mx);
+      for (; i < n; ++i) {
+        const float v = to_float(row[i]);
+        m = std::isnan(v) || v > m ? v : m;
+      }
+      int64_t at = 0;
+      if (std::isnan(m)) {
+        while (at < n && !std::isnan(to_float(row[at]))) ++at;
+      } else {
+        const fVec mv(m);  // skip whole vectors without the maximum, then find it in one
+        while (at + W <= n && (loadf(row + at) == mv).zero_mask() == (1 << W) - 1) at += W;
+        while (at < n && to_float(row[at]) != m) ++at;
+      }
+      out[r] = at;
+    }
+  });
+}
+
 #define PM_DISPATCH(dtype, NAME, ...)                                       \
   switch (dtype) {                                                          \
     case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }        \
@@ -771,6 +803,16 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   return out;
 }
 
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be 2-D with contiguous, non-empty rows");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  PM_DISPATCH(x.scalar_type(), "argmax_rows",
+              argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                                         x.stride(0), out.data_ptr<int64_t>()));
+  return out;
+}
+
 // Which vector width this build uses, e.g. "avx2 (8 floats)".
 std::string isa() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -791,5 +833,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, then write k and v");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
   m.def("isa", &isa, "the ISA this build targets");
 }
