@@ -274,7 +274,8 @@ class Router:
                 self._set_redis(False, exc)
             else:
                 self.metrics.lookup.observe(time.perf_counter() - start)
-                self._apply(found)
+                if self.mirror is None:  # fresh leases; the mirror's are the refresh's
+                    self._apply(found)
                 matches = {m.replica_id: m for m in found}
         handles = self.view.live() if matches is not None else self.view.known()
         handles = [
