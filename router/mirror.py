@@ -66,6 +66,7 @@ return {redis.call('GET', marker), last[1] and last[1][1] or '0-0', rows}
 
 _READ_COUNT = 1000
 _MAX_BACKOFF_S = 1.0
+_READ_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -92,10 +93,12 @@ class BlockMirror:
         self.ns = namespace
         self.router_id = router_id
         self.block_ms = block_ms
-        # The reader's own connection: XREAD BLOCK holds it for up to block_ms.
+        # The reader's own connection: XREAD BLOCK holds it for up to block_ms. Its read
+        # timeout is generous: a busy event loop must not pass for a dead Redis (a closed
+        # connection shows at once, and the refresh timer's lookups time out after timeout_s).
         self._redis = aioredis.Redis.from_url(
             url,
-            socket_timeout=timeout_s + block_ms / 1000,
+            socket_timeout=block_ms / 1000 + max(timeout_s, _READ_TIMEOUT_S),
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
