@@ -47,7 +47,11 @@ def queue_event(
         fields["a"] = b"".join(added)
         fields["r"] = b"".join(removed)
     _xadd(pipe, ns, fields)
-    pipe.hset(layout.lease_key(replica_id, ns), "kv_seq", seq)
+    lease = layout.lease_key(replica_id, ns)
+    pipe.hset(lease, "kv_seq", seq)
+    # After a flush this HSET recreates the lease with kv_seq alone (no address: routers skip
+    # it) until the replica's refresh rewrites it: it must still expire if the replica dies.
+    pipe.pexpire(lease, layout.LEASE_TTL_MS)
 
 
 def queue_predicted(
