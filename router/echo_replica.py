@@ -166,12 +166,6 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
         self._published = written if reset else self._published | fresh
         self._needs_reset = not epoch_there
 
-    async def drop_cache(self) -> None:
-        """Forget every cached block and say so in Redis (a reset), like a restarted replica."""
-        self.cached.clear()
-        self._needs_reset = True
-        await self._refresh()
-
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(layout.LOAD_REFRESH_S)
