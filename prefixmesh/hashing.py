@@ -54,10 +54,15 @@ def block_hashes(
     num_blocks = len(token_ids) // block_size
     if max_blocks is not None:
         num_blocks = min(num_blocks, max_blocks)
+    # Packed once and sliced per block: the same bytes as hash_block's, at a fraction of the
+    # cost (the router hashes every prompt on its request path).
+    data = _token_bytes(token_ids[: num_blocks * block_size])
+    step = 4 * block_size
+    digest = xxhash.xxh3_128_digest
     hashes: list[BlockHash] = []
     parent = root_hash(model_id, cache_salt)
-    for i in range(num_blocks):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+    for start in range(0, num_blocks * step, step):
+        parent = digest(parent + data[start : start + step])
         hashes.append(parent)
     return hashes
 

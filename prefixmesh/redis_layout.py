@@ -17,6 +17,10 @@ Keys (``{ns}`` is the namespace, ``pm`` by default, so several clusters can shar
   ever cleans it up. After Redis or the replica restarts, the replica rewrites the whole set.
 - ``{ns}:blocks_epoch:{id}`` STRING: the epoch whose full resync the block set reflects.
   A replica that finds it missing or different (Redis restart, new process) resyncs.
+- ``{ns}:kv_events`` STREAM of block set changes, appended in the same MULTI as each change
+  (``prefixmesh/kv_events.py`` describes the entries), so that routers keep an in-memory mirror
+  of the block sets. Capped at about ``KV_EVENTS_MAXLEN`` entries, PEXPIRE ``BLOCKS_TTL_MS``
+  on every append. The lease's ``kv_seq`` field is the replica's last event number.
 
 Router-owned keys (the router module documents their fields): predicted entries for bursts
 and in-flight token counts shared between routers all live under ``{ns}:router:...``.
@@ -28,6 +32,7 @@ DEFAULT_NAMESPACE = "pm"
 LEASE_TTL_MS = 3000
 BLOCKS_TTL_MS = 10_000
 LOAD_REFRESH_S = 0.1
+KV_EVENTS_MAXLEN = 100_000
 
 
 def replicas_key(ns: str = DEFAULT_NAMESPACE) -> str:
@@ -44,3 +49,7 @@ def blocks_key(replica_id: str, ns: str = DEFAULT_NAMESPACE) -> str:
 
 def blocks_epoch_key(replica_id: str, ns: str = DEFAULT_NAMESPACE) -> str:
     return f"{ns}:blocks_epoch:{replica_id}"
+
+
+def kv_events_key(ns: str = DEFAULT_NAMESPACE) -> str:
+    return f"{ns}:kv_events"

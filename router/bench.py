@@ -6,8 +6,8 @@ and one router process, then measures from this (client) process:
 1. Time to first token through the router minus direct to a replica, p50 and p99, over
    alternating sequential requests (one in flight at a time, so queueing does not count). A
    request is a ``--prompt-tokens`` token-id prompt from one of ``--groups`` shared prefixes,
-   so every routed request does the full work: hash all blocks, one Lua lookup over every
-   replica's block set, policy, predicted-entry write.
+   so every routed request does the full work: hash all blocks, look up every replica's block
+   set, policy, predicted-entry write.
 2. Routed requests per second one router process sustains with ``--concurrency`` requests in
    flight for ``--seconds`` (``max_tokens = 1``). The client, the echo replicas and the router
    share the machine's cores, so this is a lower bound of what the router alone can do.
@@ -15,7 +15,9 @@ and one router process, then measures from this (client) process:
    Python gRPC hop) and of the echo replicas, over the sequential phase (from /proc on Linux):
    it tells whether a hop's latency is work on the CPU or waiting for one.
 
-Prints a JSON summary and a Markdown table for docs/router.md.
+Each map source in ``--map-source`` (default ``redis,mirror``: one Lua round trip per request,
+then the in-memory mirror) gets its own router process against the same replicas, so one run
+shows before and after. Prints a JSON summary and a Markdown table per source for docs/router.md.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ async def _sequential(
 
 
 async def _router_histograms(metrics_port: int) -> dict[str, float]:
-    """The router's own view: arrival to upstream call issued, and its Redis lookup."""
+    """The router's own view: arrival to upstream call issued, and its map lookup."""
     internal: dict[str, float] = {}
     if metrics_port:
         before = await asyncio.to_thread(_scrape, metrics_port)
@@ -268,6 +270,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=32, help="throughput phase")
     parser.add_argument("--seconds", type=float, default=5.0, help="throughput phase length")
     parser.add_argument("--policy", default="cache_aware", help="router policy")
+    parser.add_argument(
+        "--map-source", default="redis,mirror", help="router map sources to compare, in turn"
+    )
     parser.add_argument("--json", default="", help="also write the summary here")
     parser.add_argument("--serve-passthrough", default="", help=argparse.SUPPRESS)
     return parser
@@ -287,7 +292,7 @@ def _print_table(result: dict[str, float], concurrency: int) -> None:
         f"| {result['overhead_p99_ms']:.3f} |\n"
         f"| router overhead: arrival to upstream call, router histogram (ms) "
         f"| {result['router_internal_p50_ms']:.3f} | {result['router_internal_p99_ms']:.3f} |\n"
-        f"| of which the Redis lookup, router histogram (ms) "
+        f"| of which the map lookup, router histogram (ms) "
         f"| {result['redis_lookup_p50_ms']:.3f} | {result['redis_lookup_p99_ms']:.3f} |\n"
         f"| proxy hop alone: passthrough minus direct (ms) | {result['proxy_hop_p50_ms']:.3f} "
         f"| {result['proxy_hop_p99_ms']:.3f} |\n\n"
@@ -322,30 +327,44 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(proxy)
             assert proxy.stdout is not None
             proxy_addr = f"127.0.0.1:{proxy.stdout.readline().strip()}"
-            port, metrics_port = free_port(), free_port()
-            router = _start([sys.executable, "-m", "prefixmesh.cli", "router", "--port",
-                             str(port), "--redis", redis.url, "--policy", args.policy,
-                             "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
-                            env)  # fmt: skip
-            procs.append(router)
-            assert router.stdout is not None
-            router.stdout.readline()  # "router listening on ..."
-            pids = {"router": router.pid, "passthrough": proxy.pid, "echo": echo.pid}
-            result = asyncio.run(
-                _measure(args, f"127.0.0.1:{port}", metrics_port, proxy_addr, pids)
-            )
+            results = {}
+            for source in args.map_source.split(","):
+                port, metrics_port = free_port(), free_port()
+                router = _start([sys.executable, "-m", "prefixmesh.cli", "router", "--port",
+                                 str(port), "--redis", redis.url, "--policy", args.policy,
+                                 "--map-source", source, "--metrics-port", str(metrics_port),
+                                 "--log-level", "WARNING"], env)  # fmt: skip
+                assert router.stdout is not None
+                router.stdout.readline()  # "router listening on ..."
+                pids = {"router": router.pid, "passthrough": proxy.pid, "echo": echo.pid}
+                try:
+                    results[source] = asyncio.run(
+                        _measure(args, f"127.0.0.1:{port}", metrics_port, proxy_addr, pids)
+                    )
+                finally:
+                    router.terminate()
+                    router.wait(timeout=10)
         finally:
             for proc in procs:
                 proc.terminate()
                 proc.wait(timeout=10)
-    result.update(
-        replicas=args.replicas, prompt_tokens=args.prompt_tokens, requests=args.requests,
-        concurrency=args.concurrency, cpus=os.cpu_count() or 0,
-    )  # fmt: skip
-    print(json.dumps(result, indent=2))
-    _print_table(result, args.concurrency)
+    summary = {
+        "map_sources": results,
+        "replicas": args.replicas, "prompt_tokens": args.prompt_tokens,
+        "requests": args.requests, "concurrency": args.concurrency, "cpus": os.cpu_count() or 0,
+    }  # fmt: skip
+    print(json.dumps(summary, indent=2))
+    for source, result in results.items():
+        print(f"\n### --map-source {source}")
+        _print_table(result, args.concurrency)
+    print("\n| map source | router overhead p50 (ms) | proxy hop p50 (ms) | over the hop (ms) |")
+    print("|---|---|---|---|")
+    for source, r in results.items():
+        over = r["overhead_p50_ms"] - r["proxy_hop_p50_ms"]
+        print(f"| {source} | {r['overhead_p50_ms']:.3f} | {r['proxy_hop_p50_ms']:.3f} "
+              f"| {over:+.3f} |")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
 
 

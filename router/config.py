@@ -18,6 +18,7 @@ from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS
 from router.policy import POLICIES
 
 _LIMITS = limits.RequestLimits()
+MAP_SOURCES = ("mirror", "redis")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class RouterConfig:
     namespace: str = "pm"
     router_id: str = ""
     policy: str = "cache_aware"
+    map_source: str = "mirror"
     metrics_port: int = 0
     # OpenAI HTTP front door and API keys (prefixmesh/openai/http.py, prefixmesh/auth.py);
     # keys stay out of repr() so a logged config never shows them.
@@ -63,6 +65,7 @@ class RouterConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     # Discovery and shared state.
     discovery_interval_s: float = 0.25
+    state_refresh_s: float = 0.1
     inflight_flush_s: float = 0.1
     inflight_ttl_ms: int = 3000
     redis_timeout_s: float = 0.5
@@ -89,6 +92,9 @@ _HELP: dict[str, str] = {
     "namespace": "prefix of every Redis key (must match the replicas')",
     "router_id": "id of this router in Redis (default: host-pid-<random>)",
     "policy": "routing policy: " + ", ".join(POLICIES),
+    "map_source": "where a routing decision reads the block map: 'mirror' (an in-memory copy "
+    "kept from the replicas' KV event stream in Redis, no round trip per request) or 'redis' "
+    "(one Lua round trip per request)",
     "metrics_port": "Prometheus /metrics port (0 = off)",
     "http_port": "OpenAI-compatible HTTP port: /v1/completions, /v1/chat/completions, "
     "/v1/models, /health, /metrics (0 = off)",
@@ -117,6 +123,8 @@ _HELP: dict[str, str] = {
     "default_max_tokens": "max_tokens assumed for load when a request sets none (the "
     "replica's default)",
     "discovery_interval_s": "how often the lease list is re-read from Redis",
+    "state_refresh_s": "with --map-source mirror: how often leases, load and other routers' "
+    "in-flight tokens are read from Redis and the mirror is checked against it",
     "inflight_flush_s": "how often this router publishes its in-flight tokens to Redis",
     "inflight_ttl_ms": "TTL of the published in-flight tokens (a dead router's vanish)",
     "redis_timeout_s": "socket timeout of Redis calls; beyond it the router falls back to "
@@ -152,6 +160,12 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     problems = []
     if config.policy not in POLICIES:
         problems.append(f"--policy must be one of {', '.join(POLICIES)} (got {config.policy!r})")
+    if config.map_source not in MAP_SOURCES:
+        problems.append(
+            f"--map-source must be one of {', '.join(MAP_SOURCES)} (got {config.map_source!r})"
+        )
+    if config.state_refresh_s <= 0:
+        problems.append(f"--state-refresh-s must be > 0 (got {config.state_refresh_s})")
     if not 0 <= config.port < 65536:
         problems.append(f"--port must be in [0, 65535] (got {config.port})")
     if config.balance_epsilon < 0:

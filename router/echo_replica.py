@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import grpc
 import redis.asyncio as aioredis
 
-from prefixmesh import event_loop
+from prefixmesh import event_loop, kv_events
 from prefixmesh import redis_layout as layout
 from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
@@ -108,6 +108,7 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
 
     async def start(self) -> None:
         self.epoch = secrets.token_hex(4)
+        self._seq, self._needs_reset, self._published = 0, True, set()
         self.server = grpc.aio.server(
             interceptors=[ApiKeyInterceptor(self.api_key)] if self.api_key else [],
             options=SERVER_OPTIONS,
@@ -137,15 +138,33 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
             "block_size": self.block_size, "hash_scheme": HASH_SCHEME, "epoch": self.epoch,
             "running": self.running, "waiting": 0, "kv_usage": 0.0, "queued_tokens": 0,
             "num_blocks": 1000, "updated_at": time.time(), "cached_blocks": len(self.cached),
+            "kv_seq": self._seq,
         }  # fmt: skip
+        # The set only grows (blocks an echo replica forgets stay listed: a stale map); a new
+        # epoch, or a set that vanished (Redis restarted), is rewritten whole, like a replica's.
+        reset, fresh = self._needs_reset, self.cached - self._published
+        blocks = layout.blocks_key(rid, ns)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.sadd(layout.replicas_key(ns), rid)
             pipe.hset(layout.lease_key(rid, ns), mapping=lease)
             pipe.pexpire(layout.lease_key(rid, ns), layout.LEASE_TTL_MS)
-            if self.cached:
-                pipe.sadd(layout.blocks_key(rid, ns), *self.cached)
-                pipe.pexpire(layout.blocks_key(rid, ns), layout.BLOCKS_TTL_MS)
-            await pipe.execute()
+            if reset:
+                pipe.delete(blocks)
+                pipe.set(layout.blocks_epoch_key(rid, ns), self.epoch, px=layout.BLOCKS_TTL_MS)
+            written = set(self.cached) if reset else fresh
+            if written:
+                pipe.sadd(blocks, *written)
+            if reset or fresh:
+                self._seq += 1
+                kv_events.queue_event(
+                    pipe, ns, rid, self.epoch, self._seq, reset=reset, added=fresh
+                )
+            pipe.pexpire(blocks, layout.BLOCKS_TTL_MS)
+            pipe.pexpire(layout.blocks_epoch_key(rid, ns), layout.BLOCKS_TTL_MS)
+            pipe.exists(layout.blocks_epoch_key(rid, ns))
+            *_, epoch_there = await pipe.execute()
+        self._published = written if reset else self._published | fresh
+        self._needs_reset = not epoch_there
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -153,7 +172,7 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
             try:
                 await self._refresh()
             except Exception:  # Redis down: keep serving, re-register when it is back
-                pass
+                self._needs_reset = True
 
     async def kill(self) -> None:
         """Die abruptly: streams break, connections are refused, the lease lingers."""

@@ -1,4 +1,9 @@
-"""The Redis side of routing: one Lua round trip per request, plus the router-owned keys.
+"""The Redis side of routing: the map lookup, plus the router-owned keys.
+
+Two map sources (``--map-source``): ``redis``, one Lua round trip per request
+(``PrefixIndex``), and ``mirror``, a local lookup in an in-memory copy of the block sets kept
+from the KV event stream (``MirrorIndex``, router/mirror.py), with leases, load and other routers'
+in-flight tokens read on a timer.
 
 Replica-owned keys are described in ``prefixmesh/redis_layout.py``. Router-owned keys:
 
@@ -24,10 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
+from prefixmesh import kv_events
 from prefixmesh.hashing import BlockHash
 from router.discovery import Lease
 from router.fastredis import PipelinedRedis
+from router.mirror import SNAPSHOT_LUA, BlockMirror
 
 # Lease fields the router reads, in the order the script returns them (HMGET: only what the
 # router needs crosses the wire on every request).
@@ -156,6 +164,16 @@ class PrefixIndex:
     def _key(self, *parts: str) -> str:
         return ":".join((self.ns, "router", *parts))
 
+    async def start(self) -> None:
+        """Nothing to prepare: every lookup asks Redis."""
+
+    async def close(self) -> None:
+        """Nothing to stop."""
+
+    async def refresh(self) -> list[ReplicaMatch]:
+        """Every live replica with its lease and other routers' in-flight tokens."""
+        return await self.lookup()
+
     async def lookup(self, groups: Sequence[HashGroup] = ()) -> list[ReplicaMatch]:
         """Every live replica with the leading blocks it holds or will hold (one round trip)."""
         args: list[str | bytes | int] = [self.ns, int(time.time() * 1000), self.router_id]
@@ -198,6 +216,10 @@ class PrefixIndex:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.zadd(key, dict.fromkeys(hashes, expiry))
             pipe.pexpire(key, self.predicted_ttl_ms)
+            # Routers that mirror the map learn them from the event stream.
+            kv_events.queue_predicted(
+                pipe, self.ns, self.router_id, replica_id, hashes, self.predicted_ttl_ms
+            )
             await pipe.execute()
 
     async def publish_inflight(self, tokens_by_replica: Mapping[str, int]) -> None:
@@ -217,6 +239,52 @@ class PrefixIndex:
             pipe.srem(self._key("routers"), self.router_id)
             pipe.delete(self._key("inflight", self.router_id))
             await pipe.execute()
+
+
+class MirrorNotReady(RedisError):
+    """The mirror is not in sync with Redis (Redis unreachable, or a full re-read pending)."""
+
+
+class MirrorIndex(PrefixIndex):
+    """Lookups answered from the in-memory mirror: no network round trip per request.
+
+    ``refresh`` (the router's timer) reads leases, load and in-flight tokens with the Redis
+    lookup and checks the mirror against Redis; ``lookup`` combines the last refresh with the
+    mirrored block sets and predicted entries. Writes are those of ``PrefixIndex``.
+    """
+
+    def __init__(self, client: aioredis.Redis, mirror: BlockMirror, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(client, *args, **kwargs)
+        self.mirror = mirror
+        self._check = client.register_script(SNAPSHOT_LUA)
+        self._listed: list[ReplicaMatch] = []
+
+    async def start(self) -> None:
+        await self.mirror.start()
+
+    async def close(self) -> None:
+        await self.mirror.close()
+
+    async def refresh(self) -> list[ReplicaMatch]:
+        listed = await super().lookup()
+        await self.mirror.check(self._check)
+        self._listed = listed
+        if not self.mirror.ready:  # Redis answers, the mirror's reader has not caught up yet
+            raise MirrorNotReady("the block map mirror is not in sync with Redis yet")
+        return listed
+
+    async def lookup(self, groups: Sequence[HashGroup] = ()) -> list[ReplicaMatch]:
+        if not self.mirror.ready:
+            raise MirrorNotReady("the block map mirror is not in sync with Redis")
+        by_group = {(g.model, g.block_size): g.hashes for g in groups}
+        out = []
+        for m in self._listed:
+            hashes = by_group.get(m.lease.group)
+            if hashes:
+                cached, predicted = self.mirror.leading(m.replica_id, hashes)
+                m = ReplicaMatch(m.replica_id, cached, predicted, m.other_inflight_tokens, m.lease)
+            out.append(m)
+        return out
 
 
 def _text(value: bytes | str) -> str:

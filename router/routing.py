@@ -1,4 +1,7 @@
-"""The routing core: tokenize, hash, one Redis lookup, policy, bookkeeping.
+"""The routing core: tokenize, hash, look up the block map, policy, bookkeeping.
+
+The map lookup is local by default (``--map-source mirror``: an in-memory mirror of the block
+sets, router/mirror.py) or one Redis round trip per request (``--map-source redis``).
 
 ``Router.route`` turns a ``GenerateRequest`` into a ``RoutePlan`` (the chosen replica and what
 the router expects of it). It never blocks on Redis for long: when Redis is unreachable the
@@ -30,8 +33,9 @@ from router.config import RouterConfig
 from router.discovery import GROUP_KEY, ReplicaHandle, ReplicaView
 from router.fastredis import PipelinedRedis
 from router.fastredis import available as fast_ok
-from router.index import HashGroup, PrefixIndex, ReplicaMatch
+from router.index import HashGroup, MirrorIndex, PrefixIndex, ReplicaMatch
 from router.metrics import RouterMetrics
+from router.mirror import BlockMirror
 from router.policy import (
     FALLBACK,
     Candidate,
@@ -110,10 +114,19 @@ class Router:
         self.fast = (
             PipelinedRedis(config.redis, config.redis_timeout_s) if plain and fast_ok() else None
         )
-        self.index = PrefixIndex(
-            self.redis, config.namespace, self.router_id,
-            config.predicted_ttl_ms, config.inflight_ttl_ms, self.fast,
+        index_args = (
+            config.namespace, self.router_id, config.predicted_ttl_ms, config.inflight_ttl_ms,
+            self.fast,
         )  # fmt: skip
+        self.mirror: BlockMirror | None = None
+        self.index: PrefixIndex
+        if config.map_source == "mirror":
+            self.mirror = BlockMirror(
+                config.redis, config.namespace, self.router_id, config.redis_timeout_s
+            )
+            self.index = MirrorIndex(self.redis, self.mirror, *index_args)
+        else:
+            self.index = PrefixIndex(self.redis, *index_args)
         self.policy = self.make_policy(config.policy)
         self._fallback = LeastLoadedPolicy()
         self.attribution = MissAttribution()  # why prompt blocks missed (router/attribution.py)
@@ -141,10 +154,16 @@ class Router:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.index.start()
         await self.refresh()
         loop = asyncio.get_running_loop()
+        # With the mirror, leases and load come only from this refresh: as often as replicas
+        # write them.
+        every = self.config.discovery_interval_s
+        if self.mirror is not None:
+            every = min(every, self.config.state_refresh_s)
         self._tasks = [
-            loop.create_task(self._every(self.config.discovery_interval_s, self.refresh)),
+            loop.create_task(self._every(every, self.refresh)),
             loop.create_task(self._every(self.config.inflight_flush_s, self.flush_inflight)),
             loop.create_task(
                 self._every(self.config.predicted_ttl_ms / 2000, self.renew_predicted)
@@ -154,6 +173,7 @@ class Router:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        await self.index.close()
         try:
             if self.redis_ok:
                 await self.index.retract()
@@ -176,7 +196,7 @@ class Router:
         """Re-read the live replicas (and detect Redis coming back)."""
         self._prune_predicted()
         try:
-            matches = await self.index.lookup()
+            matches = await self.index.refresh()
         except (RedisError, OSError) as exc:
             self._set_redis(False, exc)
             return
@@ -259,7 +279,8 @@ class Router:
                 self._set_redis(False, exc)
             else:
                 self.metrics.lookup.observe(time.perf_counter() - start)
-                self._apply(found)
+                if self.mirror is None:  # fresh leases; the mirror's are the refresh's
+                    self._apply(found)
                 matches = {m.replica_id: m for m in found}
         handles = self.view.live() if matches is not None else self.view.known()
         handles = [

@@ -19,6 +19,7 @@ import redis
 from helpers import free_port, start_redis
 
 from prefixmesh import redis_layout as layout
+from prefixmesh.kv_events import RESET, KVEvent
 from replica.server.kv_publisher import KVEventBuffer, KVPublisher, net_changes
 
 NS = "pmtest"
@@ -254,6 +255,35 @@ def test_redis_down_at_start_publishes_once_it_comes_up() -> None:
         hs.close(deregister=False)
         if server is not None:
             server.stop()
+
+
+def test_every_change_is_on_the_event_stream_numbered_like_kv_seq(
+    harness: Harness, redis_server: str
+):
+    client = redis.Redis.from_url(redis_server)
+    deadline = time.monotonic() + 5
+    while harness.pub.resyncs == 0:  # the first resync (of an empty cache) is the reset
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    harness.engine.change([h(i) for i in range(20)], [])
+    harness.engine.change([h(20)], [h(0), h(1)])
+    wait_equal(client, harness.engine)
+    time.sleep(0.05)
+    events = [
+        KVEvent.parse(fields)
+        for _, fields in client.xrange(layout.kv_events_key(NS))
+        if fields[b"i"] == RID.encode()
+    ]
+    assert events[0].kind == RESET and events[0].epoch == harness.pub.epoch
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert int(client.hget(layout.lease_key(RID, NS), "kv_seq")) == events[-1].seq
+    # Replaying the deltas after the reset gives Redis' set.
+    replayed: set[bytes] = set()
+    for e in events[1:]:
+        replayed = (replayed - set(e.removed)) | set(e.added)
+    assert replayed == redis_blocks(client) == harness.engine.state()
+    assert 0 < client.pttl(layout.kv_events_key(NS)) <= layout.BLOCKS_TTL_MS
+    client.close()
 
 
 def test_dead_replica_lease_expires_and_blocks_have_ttl(harness: Harness, redis_server: str):

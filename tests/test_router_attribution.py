@@ -85,6 +85,11 @@ def test_each_miss_kind_on_a_crafted_workload(redis_server: str) -> None:
                 r.cached.clear()
                 await c.router.router.redis.delete(layout.blocks_key(r.replica_id, ns))
             c.router.router._predicted.clear()  # this router's own recent predictions
+            mirror = c.router.router.mirror  # its copy of the map notices within a refresh
+            for _ in range(100):
+                if mirror is None or not any(mirror.blocks(r.replica_id) for r in c.replicas):
+                    break
+                await asyncio.sleep(0.02)
             await c.router.router.redis.delete(
                 *[f"{ns}:router:predicted:{r.replica_id}" for r in c.replicas]
             )

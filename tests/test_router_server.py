@@ -114,12 +114,17 @@ def test_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> N
         parse_config(["--policy", "fastest"])
 
 
-def test_groups_stick_to_one_replica_and_the_cluster_service_reports_it(redis_server: str) -> None:
+@pytest.mark.parametrize("map_source", ["mirror", "redis"])
+def test_groups_stick_to_one_replica_and_the_cluster_service_reports_it(
+    redis_server: str, map_source: str
+) -> None:
     async def scenario() -> None:
         # 4 equal groups on 3 replicas: one replica holds two, i.e. half the requests. The
         # request bound (--balance-requests-epsilon) would spill that replica's second group to
         # keep max/mean requests near 1.2; this test is about groups sticking: bound off.
-        async with cluster(redis_server, balance_requests_epsilon=-1.0) as c:
+        settings = dict(balance_requests_epsilon=-1.0, map_source=map_source)
+        async with cluster(redis_server, **settings) as c:
+            assert (c.router.router.mirror is None) == (map_source == "redis")
             groups = [[1000 + 50 * g + i for i in range(32)] for g in range(4)]  # 8 blocks each
             # Interleaved and concurrent: request r of every group, then r + 1, ...
             for rnd in range(4):

@@ -12,6 +12,9 @@ copy can no longer be trusted:
 - when a refresh finds the lease gone, ``blocks_epoch`` missing or different, or the set's size
   different from what was published (someone flushed, evicted or deleted keys).
 
+Every change also goes to the KV event stream (``prefixmesh/kv_events.py``) in the same MULTI:
+a delta per flush, a reset per resync, numbered per epoch. Routers mirror the block sets from it.
+
 Ordering: a resync takes the engine's snapshot *on the engine thread* and clears the buffer in
 the same breath (``KVEventBuffer.cut``). Events are only produced on that thread, so every event
 before the cut is inside the snapshot and every event after it is in the buffer, applied after
@@ -33,6 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from prefixmesh import kv_events
 from prefixmesh import redis_layout as layout
 
 log = logging.getLogger(__name__)
@@ -144,6 +148,8 @@ class KVPublisher:
         self._refresh_interval = refresh_interval
         self._coalesce_s = coalesce_s
         self._keys = _Keys(replica_id, namespace)
+        self._ns = namespace
+        self._seq = 0  # the last KV event's number (the lease's kv_seq)
         self._redis = aioredis.Redis.from_url(
             redis_url,
             socket_timeout=1.0,
@@ -245,6 +251,7 @@ class KVPublisher:
         fields = dict(self._lease_static)
         fields.update({k: str(v) for k, v in self._load().items()})
         fields["updated_at"] = f"{time.time():.3f}"
+        fields["kv_seq"] = str(self._seq)
         return fields
 
     def _queue_lease(self, pipe: Any) -> None:
@@ -263,6 +270,10 @@ class KVPublisher:
             pipe.pexpire(self._keys.blocks, layout.BLOCKS_TTL_MS)
             pipe.set(self._keys.blocks_epoch, self.epoch, px=layout.BLOCKS_TTL_MS)
             self._queue_lease(pipe)
+            self._seq += 1
+            kv_events.queue_event(
+                pipe, self._ns, self.replica_id, self.epoch, self._seq, reset=True
+            )
             await pipe.execute()
         self._published = snapshot
         self._needs_resync = False
@@ -305,6 +316,11 @@ class KVPublisher:
                 pipe.sadd(self._keys.blocks, *added)
                 # A set emptied by SREM is deleted; re-created by SADD it has no TTL yet.
                 pipe.pexpire(self._keys.blocks, layout.BLOCKS_TTL_MS)
+            self._seq += 1
+            kv_events.queue_event(
+                pipe, self._ns, self.replica_id, self.epoch, self._seq,
+                added=added, removed=removed,
+            )  # fmt: skip
             await pipe.execute()
         self._published -= removed
         self._published |= added
