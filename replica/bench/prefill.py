@@ -1,5 +1,6 @@
-"""``prefixmesh bench prefill``: the prefill phase with its attention in the C++ kernel (a row
-per query token, the default) against torch's SDPA per sequence, alternating in one process
+"""``prefixmesh bench prefill``: the prefill phase with its attention in the C++ kernel
+(``paged_prefill``: query tiles over keys staged once, the default) against torch's SDPA per
+sequence, alternating in one process
 with fresh prompts each time (so no prefix-cache hit), on short prompts and on long ones that
 prefill in chunks after a cached prefix."""
 
@@ -49,7 +50,7 @@ def run(args) -> dict:
         result[name] = {"prompts": count, "tokens": length, **times}
         print(
             f"prefill of {count} x {length} tokens, {args.rounds} rounds alternating: SDPA per "
-            f"sequence {' / '.join(f'{t:.2f}' for t in times['sdpa'])} s, kernel rows "
+            f"sequence {' / '.join(f'{t:.2f}' for t in times['sdpa'])} s, paged_prefill "
             f"{' / '.join(f'{t:.2f}' for t in times['kernel'])} s "
             f"(best {min(times['sdpa']) / min(times['kernel']):.2f}x faster)"
         )
