@@ -238,50 +238,80 @@ void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
   }
 }
 
+// A paged attention call's tensors as pointers and sizes: queries [N, H, D] (heads contiguous,
+// rows possibly strided), caches [blocks, BS, KVH, D], block tables [S, MB] and lengths [S].
+template <typename T>
+struct Paged {
+  const T* q;
+  int64_t q_stride, q_head_stride, H, G;
+  const T* kc;
+  const T* vc;
+  int64_t BS, KVH, row;
+  const int32_t* tables;
+  int64_t MB;
+  const int32_t* lens;
+  T* out;
+
+  Paged(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+        const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& output)
+      : q(query.data_ptr<T>()),
+        q_stride(query.stride(0)),
+        q_head_stride(query.stride(1)),
+        H(query.size(1)),
+        G(query.size(1) / k_cache.size(2)),
+        kc(k_cache.data_ptr<T>()),
+        vc(v_cache.data_ptr<T>()),
+        BS(k_cache.size(1)),
+        KVH(k_cache.size(2)),
+        row(k_cache.size(2) * k_cache.size(3)),
+        tables(block_tables.data_ptr<int32_t>()),
+        MB(block_tables.size(1)),
+        lens(seq_lens.data_ptr<int32_t>()),
+        out(output.data_ptr<T>()) {}
+
+  // Sequence s's one query (packed row r) against its whole context, KV heads [h0, h1).
+  template <int D>
+  void decode(int64_t s, int64_t r, int64_t h0, int64_t h1, float scale,
+              std::vector<float>& scores) const {
+    scores.resize(G * std::max<int64_t>(lens[s], 1));
+    attend_item<T, D>(q + r * q_stride, q_head_stride, kc, vc, tables + s * MB, lens[s], h0, h1,
+                      G, BS, row, scale, scores.data(), out + r * H * D);
+  }
+};
+
 template <typename T, int D>
-void decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
-                      const at::Tensor& v_cache, const at::Tensor& tables,
-                      const at::Tensor& lens, at::Tensor& out, float scale) {
-  const int64_t B = query.size(0), H = query.size(1);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = tables.size(1);
-  const int64_t G = H / KVH, row = KVH * D;
-  const T* q = query.data_ptr<T>();
-  const int64_t q_stride = query.stride(0), q_head_stride = query.stride(1);
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
+void decode_attention(const Paged<T>& p, int64_t B, float scale) {
   // Whole sequences per work item when there are enough to keep every thread busy (each
   // block is then streamed by one thread), else one (sequence, KV head) per item.
   const bool per_seq = B >= 4 * at::get_num_threads();
-  const int64_t items = per_seq ? B : B * KVH;
+  const int64_t items = per_seq ? B : B * p.KVH;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = per_seq ? item : item / KVH;
-      const int64_t h0 = per_seq ? 0 : item % KVH, h1 = per_seq ? KVH : h0 + 1;
-      const int64_t len = lp[b];
-      scores.resize(G * std::max<int64_t>(len, 1));
-      attend_item<T, D>(q + b * q_stride, q_head_stride, kc, vc, tp + b * MB, len, h0, h1, G,
-                        BS, row, scale, scores.data(), op + b * H * D);
+      const int64_t b = per_seq ? item : item / p.KVH;
+      const int64_t h0 = per_seq ? 0 : item % p.KVH, h1 = per_seq ? p.KVH : h0 + 1;
+      p.template decode<D>(b, b, h0, h1, scale, scores);
     }
   });
 }
+
+// Runs CALL with HD bound to the query's head_dim as a compile-time constant.
+#define PM_HEAD_DIM(head_dim, CALL)                                         \
+  switch (head_dim) {                                                       \
+    case 16: { constexpr int HD = 16; CALL; return; }                       \
+    case 32: { constexpr int HD = 32; CALL; return; }                       \
+    case 64: { constexpr int HD = 64; CALL; return; }                       \
+    case 96: { constexpr int HD = 96; CALL; return; }                       \
+    case 128: { constexpr int HD = 128; CALL; return; }                     \
+  }                                                                         \
+  TORCH_CHECK(false, "head_dim must be 16, 32, 64, 96 or 128, got ", head_dim)
 
 template <typename T>
 void decode_attention_d(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                         const at::Tensor& bt, const at::Tensor& lens, at::Tensor& out,
                         float scale) {
-  switch (q.size(2)) {
-    case 16: decode_attention<T, 16>(q, kc, vc, bt, lens, out, scale); return;
-    case 32: decode_attention<T, 32>(q, kc, vc, bt, lens, out, scale); return;
-    case 64: decode_attention<T, 64>(q, kc, vc, bt, lens, out, scale); return;
-    case 96: decode_attention<T, 96>(q, kc, vc, bt, lens, out, scale); return;
-    case 128: decode_attention<T, 128>(q, kc, vc, bt, lens, out, scale); return;
-  }
-  TORCH_CHECK(false, "head_dim must be 16, 32, 64, 96 or 128, got ",
-              q.size(2));
+  const Paged<T> p(q, kc, vc, bt, lens, out);
+  PM_HEAD_DIM(q.size(2), (decode_attention<T, HD>(p, q.size(0), scale)));
 }
 
 // ---------------------------------------------------------------- paged prefill attention
@@ -421,22 +451,9 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t q_head_stride, int64_t k
 }
 
 template <typename T, int D>
-void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, const at::Tensor& tables,
-                       const at::Tensor& query_start, const at::Tensor& lens, at::Tensor& out,
-                       float scale) {
-  const int64_t S = lens.size(0), H = query.size(1);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = tables.size(1);
-  const int64_t G = H / KVH, row = KVH * D;
-  const T* q = query.data_ptr<T>();
-  const int64_t q_stride = query.stride(0), q_head_stride = query.stride(1);
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* qs = query_start.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t out_stride = H * D;
+void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float scale) {
+  const int64_t KVH = p.KVH, G = p.G, out_stride = p.H * D;
+  const int32_t* lp = p.lens;
 
   // Scratch for the prefills' staged keys and values: where each (sequence, KV head) starts.
   std::vector<int64_t> kt_at(S * KVH, -1), vf_at(S * KVH, -1);
@@ -459,8 +476,8 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = staged[item / KVH], h = item % KVH;
       rows.resize(lp[s]);
-      token_rows(tp + s * MB, lp[s], BS, row, rows.data());
-      stage_kv<T, D>(kc, vc, rows.data(), lp[s], h * D, kt.data() + kt_at[s * KVH + h],
+      token_rows(p.tables + s * p.MB, lp[s], p.BS, p.row, rows.data());
+      stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * D, kt.data() + kt_at[s * KVH + h],
                      vf.data() + vf_at[s * KVH + h]);
     }
   });
@@ -473,7 +490,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qs[s + 1] - qs[s];
     if (q_len == 1) {
-      items.push_back({lp[s] * H, s, -1, 0, 1});
+      items.push_back({lp[s] * p.H, s, -1, 0, 1});
       continue;
     }
     for (int64_t r0 = 0; r0 < q_len; r0 += QT) {
@@ -492,14 +509,12 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
       const Item& it = items[i];
       const int64_t s = it.s, q_len = qs[s + 1] - qs[s], first = qs[s];
       if (it.h < 0) {
-        scores.resize(G * std::max<int64_t>(lp[s], 1));
-        attend_item<T, D>(q + first * q_stride, q_head_stride, kc, vc, tp + s * MB, lp[s], 0,
-                          KVH, G, BS, row, scale, scores.data(), op + first * out_stride);
+        p.template decode<D>(s, first, 0, KVH, scale, scores);
         continue;
       }
-      prefill_tile<T, D>(q + first * q_stride, q_stride, q_head_stride, it.h, G, it.r0, it.r1,
-                         lp[s] - q_len, kt.data() + kt_at[s * KVH + it.h],
-                         vf.data() + vf_at[s * KVH + it.h], scale, op + first * out_stride,
+      prefill_tile<T, D>(p.q + first * p.q_stride, p.q_stride, p.q_head_stride, it.h, G, it.r0,
+                         it.r1, lp[s] - q_len, kt.data() + kt_at[s * KVH + it.h],
+                         vf.data() + vf_at[s * KVH + it.h], scale, p.out + first * out_stride,
                          out_stride, qbuf, scores, inv, outs);
     }
   });
@@ -509,14 +524,9 @@ template <typename T>
 void prefill_attention_d(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                          const at::Tensor& bt, const at::Tensor& qs, const at::Tensor& lens,
                          at::Tensor& out, float scale) {
-  switch (q.size(2)) {
-    case 16: prefill_attention<T, 16>(q, kc, vc, bt, qs, lens, out, scale); return;
-    case 32: prefill_attention<T, 32>(q, kc, vc, bt, qs, lens, out, scale); return;
-    case 64: prefill_attention<T, 64>(q, kc, vc, bt, qs, lens, out, scale); return;
-    case 96: prefill_attention<T, 96>(q, kc, vc, bt, qs, lens, out, scale); return;
-    case 128: prefill_attention<T, 128>(q, kc, vc, bt, qs, lens, out, scale); return;
-  }
-  TORCH_CHECK(false, "head_dim must be 16, 32, 64, 96 or 128, got ", q.size(2));
+  const Paged<T> p(q, kc, vc, bt, lens, out);
+  const int32_t* starts = qs.data_ptr<int32_t>();
+  PM_HEAD_DIM(q.size(2), (prefill_attention<T, HD>(p, starts, lens.size(0), scale)));
 }
 
 // One read of every cached key and value the step attends to, the way the kernel reads them
