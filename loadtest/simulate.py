@@ -22,9 +22,9 @@ What is real and what is modelled:
   recently used cached block, blocks cached as soon as a chunk fills them, released tail first
   when the request ends; generated tokens take blocks too. The Redis map is exact and instant
   (the real one lags by one engine step). With ``--fetch``, fetch-on-miss: the chosen replica
-  copies, instantly, the leading blocks a peer has cached beyond its own when the transfer beats
-  the prefill (``fetch_s_per_block``, 5 ms a transfer). Step time = ``step_s + prefill_s x prefill tokens +
-  decode_s x decoding sequences``: constants, not measured per step.
+  copies, instantly, the leading blocks a peer has cached beyond its own when the transfer
+  beats the prefill (``fetch_s_per_block``, 5 ms a transfer). Step time = ``step_s + prefill_s
+  x prefill tokens + decode_s x decoding sequences``: constants, not measured per step.
 
 ```bash
 python -m loadtest.simulate --trace ../shared/data/traces/synthetic_trace.jsonl \
