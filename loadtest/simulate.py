@@ -21,8 +21,10 @@ What is real and what is modelled:
   referenced (out of the LRU order) while it runs, new blocks allocated by evicting the least
   recently used cached block, blocks cached as soon as a chunk fills them, released tail first
   when the request ends; generated tokens take blocks too. The Redis map is exact and instant
-  (the real one lags by one engine step). Step time = ``step_s + prefill_s x prefill tokens +
-  decode_s x decoding sequences``: constants, not measured per step.
+  (the real one lags by one engine step). With ``--fetch``, fetch-on-miss: the chosen replica
+  copies, instantly, the leading blocks a peer has cached beyond its own when the transfer
+  beats the prefill (``fetch_s_per_block``, 5 ms a transfer). Step time = ``step_s + prefill_s
+  x prefill tokens + decode_s x decoding sequences``: constants, not measured per step.
 
 ```bash
 python -m loadtest.simulate --trace ../shared/data/traces/synthetic_trace.jsonl \
@@ -65,6 +67,11 @@ class EngineModel:
     step_s: float = 0.02
     prefill_s: float = 0.002  # per prefilled token
     decode_s: float = 0.01  # per decoding sequence
+    # Fetch-on-miss (replica/server/peer_fetch.py), off unless --fetch: the chosen replica
+    # copies the leading blocks a peer holds beyond its own when that beats prefilling them.
+    fetch: bool = False
+    fetch_s_per_block: float = 0.002  # SmolLM2 bf16: 370 KB a block at ~200 MB/s
+    fetch_latency_s: float = 0.005
 
 
 @dataclass(slots=True)
@@ -133,6 +140,29 @@ class BlockPool:
         else:
             self.refs[h] = 1
 
+    def import_blocks(self, hashes: Sequence[bytes]) -> int:
+        """Blocks fetched from a peer join the LRU order as cached, unreferenced blocks (the
+        tail first, as ``LLMEngine.import_blocks`` releases them), while the pool has room
+        for them; how many leading ones are now held."""
+        ours = set(hashes)
+        for h in hashes:  # the ones already here are not evicted for the others
+            if h in self.lru:
+                self.lru.move_to_end(h)
+        held = 0
+        for h in hashes:
+            if not self.holds(h):
+                if self.free() <= 0 and self.lru and next(iter(self.lru)) not in ours:
+                    self.lru.popitem(last=False)
+                    self.evicted += 1
+                if self.free() <= 0:
+                    break
+                self.lru[h] = None
+            held += 1
+        for h in reversed(hashes[:held]):
+            if h in self.lru:
+                self.lru.move_to_end(h)
+        return held
+
     def release(self, held: Sequence[bytes], unhashed: int) -> None:
         """A request ended: its cached blocks rejoin the LRU order tail first."""
         self.unhashed -= unhashed
@@ -158,6 +188,7 @@ class ReplicaSim:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.fetched_tokens = 0
 
     def queued_tokens(self) -> int:
         """What the lease reports: prompt tokens still to prefill plus tokens still to decode."""
@@ -262,6 +293,7 @@ class SimResult:
     duration_s: float
     evicted_blocks: int
     decisions: dict[str, int]
+    fetched_tokens: int = 0
 
     @property
     def skew(self) -> float:
@@ -345,10 +377,29 @@ class Simulation:
         others = max((c.matched_blocks for c in cands if c is not chosen), default=0)
         r.misses = self.attribution.pending(r.hashes, r.prompt_len, bs, chosen.matched_blocks,
                                             others)  # fmt: skip
+        if self.model.fetch:
+            self._fetch(r, rep)
         rep.waiting.append(r)
         if rep.busy_until is None:
             rep.busy_until = now
             self._push(now, "step", i)
+
+    def _fetch(self, r: SimRequest, rep: ReplicaSim) -> None:
+        """As a replica before it submits: copy the leading blocks the peer holding most of
+        them has cached beyond this replica's, if the cost model says fetch (instant here: the
+        transfer's time is not added to the request's)."""
+        m = self.model
+        cacheable = r.hashes[: (r.prompt_len - 1) // m.block_size]
+        local = rep.leading(cacheable)
+        held = max((p.leading(cacheable) for p in self.replicas if p is not rep), default=0)
+        gain = held - local
+        if gain <= 0:
+            return
+        fetch_s = m.fetch_latency_s + gain * m.fetch_s_per_block
+        if fetch_s >= gain * m.block_size * m.prefill_s:
+            return
+        got = rep.pool.import_blocks(cacheable[:held]) - local
+        rep.fetched_tokens += max(0, got) * m.block_size
 
     def run(self) -> SimResult:
         pending = list(self.reqs)
@@ -414,6 +465,7 @@ class Simulation:
             duration_s=end,
             evicted_blocks=sum(r.pool.evicted for r in self.replicas),
             decisions=dict(sorted(self.decisions.items())),
+            fetched_tokens=sum(r.fetched_tokens for r in self.replicas),
         )
 
 
@@ -441,6 +493,7 @@ def _row(res: SimResult, cap: float) -> dict[str, Any]:
         "ttft_p50_s": round(res.ttft_p50_s, 2),
         "e2e_p50_s": round(res.e2e_p50_s, 2),
         "decisions": res.decisions,
+        "fetched_tokens": res.fetched_tokens,
     }
 
 
@@ -462,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument(
         "--balance-requests-epsilon", type=float, default=-1.0, help="as the router's flag"
     )
+    g.add_argument(
+        "--fetch", action="store_true",
+        help="replicas fetch a prefix a peer holds when that beats prefilling it (docs/fetch.md)",
+    )  # fmt: skip
+    g.add_argument("--fetch-ms-per-block", type=float, default=2.0, help="transfer time a block")
+    g.add_argument("--fetch-weight", type=float, default=-1.0, help="as the router's flag")
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
     args = parser.parse_args(argv)
     if args.workload is None:
@@ -469,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     requests = build_workload(args)
     model = EngineModel(
         args.num_blocks, args.sim_block_size, step_s=args.step_ms / 1e3,
-        prefill_s=args.prefill_ms / 1e3, decode_s=args.decode_ms / 1e3,
+        prefill_s=args.prefill_ms / 1e3, decode_s=args.decode_ms / 1e3, fetch=args.fetch,
+        fetch_s_per_block=args.fetch_ms_per_block / 1e3,
     )  # fmt: skip
     unl = ceiling(requests, model.block_size).hit_rate
     cap = ceiling(requests, model.block_size, model.num_blocks * args.replicas).hit_rate
@@ -484,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         return make_policy(
             name, epsilon=args.balance_epsilon, prefill_weight=args.prefill_weight,
             request_epsilon=eps if eps >= 0 else None,
+            fetch_weight=args.fetch_weight if args.fetch_weight >= 0 else None,
         )  # fmt: skip
 
     for name in (args.compare or "cache_aware").split(","):

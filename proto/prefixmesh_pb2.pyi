@@ -147,7 +147,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "cache_salt", "model", "dtype", "block_size", "hash_scheme", "start")
+    __slots__ = ("block_hashes", "cache_salt", "model", "dtype", "block_size", "hash_scheme", "start", "any_order")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class FetchBlocksRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    ANY_ORDER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     cache_salt: str
     model: str
@@ -162,19 +163,22 @@ class FetchBlocksRequest(_message.Message):
     block_size: int
     hash_scheme: str
     start: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
+    any_order: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., start: _Optional[int] = ..., any_order: _Optional[bool] = ...) -> None: ...
 
 class KVBlock(_message.Message):
-    __slots__ = ("block_hash", "token_ids", "keys", "values")
+    __slots__ = ("block_hash", "token_ids", "keys", "values", "parent_hash")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     values: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    parent_hash: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., values: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

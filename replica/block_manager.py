@@ -42,6 +42,9 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # The hash of the block before it in its prompt (None: the first block), so a chain
+        # can be walked back to its root for a peer's warm start (``chain``).
+        self.block_parent: list[BlockHash | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
@@ -102,6 +105,7 @@ class BlockManager:
             assert evicted is not None
             self.block_hash[block] = None
             self.block_tokens[block] = None
+            self.block_parent[block] = None
             del self._hash_to_block[evicted]
             self._on_removed(evicted)
         else:
@@ -121,11 +125,16 @@ class BlockManager:
                     self._free.append(b)
 
     def cache_block(
-        self, block: int, block_hash: BlockHash, token_ids: tuple[int, ...] | None = None
+        self,
+        block: int,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...] | None = None,
+        parent: BlockHash | None = None,
     ) -> int:
         """Register a full block under its hash; returns the block that now holds the hash.
 
-        ``token_ids`` are the block's tokens, kept so the block can be served to a peer.
+        ``token_ids`` are the block's tokens, kept so the block can be served to a peer;
+        ``parent`` is the hash of the block before it in the prompt (None for the first).
 
         If the hash is already cached in another block (the same prefix computed twice in one
         step), that block stays the cached copy and ``block`` remains unhashed.
@@ -139,9 +148,23 @@ class BlockManager:
             return block
         self.block_hash[block] = block_hash
         self.block_tokens[block] = token_ids
+        self.block_parent[block] = parent
         self._hash_to_block[block_hash] = block
         self._on_stored(block_hash)
         return block
+
+    def chain(self, block_hash: BlockHash) -> list[int]:
+        """The cached blocks from the first block of ``block_hash``'s prompt to it, in order;
+        empty when it or a block before it is not cached."""
+        blocks: list[int] = []
+        h: BlockHash | None = block_hash
+        while h is not None:
+            b = self._hash_to_block.get(h)
+            if b is None or len(blocks) > self.num_blocks:
+                return []
+            blocks.append(b)
+            h = self.block_parent[b]
+        return blocks[::-1]
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block (returns how many)."""
@@ -152,6 +175,7 @@ class BlockManager:
             assert h is not None
             self.block_hash[block] = None
             self.block_tokens[block] = None
+            self.block_parent[block] = None
             del self._hash_to_block[h]
             self._on_removed(h)
             self._free.append(block)

@@ -375,6 +375,39 @@ class LLMEngine:
         token_ids = [t for t in tokens[start:n] if t is not None]
         return PinnedBlocks(pin_id, blocks, list(hashes[start:n]), token_ids)
 
+    def pin_chains(
+        self, wanted: list[BlockHash], cache_salt: str | None, limit: int
+    ) -> PinnedBlocks:
+        """Reference, for a peer's warm start, the whole chain of each ``wanted`` block held
+        here whose tokens chain to it from ``cache_salt``'s root, parents first, each block
+        once, at most ``limit`` blocks."""
+        bm = self.block_manager
+        chosen: dict[BlockHash, int] = {}  # in insertion order: parents before children
+        for h in wanted:
+            if len(chosen) >= limit or h in chosen:
+                continue
+            blocks = bm.chain(h)
+            hashes = [bm.block_hash[b] for b in blocks]
+            tokens = [bm.block_tokens[b] for b in blocks]
+            if not blocks or chained_prefix(hashes, tokens, self.model_id, cache_salt) < len(
+                blocks
+            ):
+                continue
+            for b, bh in zip(blocks, hashes):
+                if bh is not None and bh not in chosen and len(chosen) < limit:
+                    chosen[bh] = b
+        blocks = list(chosen.values())
+        bm.reference(blocks)
+        pin_id = next(self._pin_ids)
+        self._pins[pin_id] = blocks
+        return PinnedBlocks(
+            pin_id,
+            blocks,
+            list(chosen),
+            [bm.block_tokens[b] or () for b in blocks],
+            [bm.block_parent[b] for b in blocks],
+        )
+
     def unpin(self, pin_id: int) -> None:
         """Release a transfer's blocks (a second call is a no-op)."""
         blocks = self._pins.pop(pin_id, None)
@@ -413,7 +446,7 @@ class LLMEngine:
             held.append(block)
         self.runner.write_blocks(new, rows, fetched.keys, fetched.values)
         for i, block in zip(rows, new):
-            bm.cache_block(block, fetched.hashes[i], fetched.token_ids[i])
+            bm.cache_block(block, fetched.hashes[i], fetched.token_ids[i], fetched.parent(i))
         bm.release(held)  # now cached and evictable, the tail first
         self._flush_kv_events()
         return len(held)

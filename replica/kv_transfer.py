@@ -12,7 +12,7 @@ to its hash from the asker's ``cache_salt`` root: a peer never gets another tena
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -27,6 +27,7 @@ class PinnedBlocks(NamedTuple):
     blocks: list[int]
     hashes: list[BlockHash]
     token_ids: list[tuple[int, ...]]
+    parents: Sequence[BlockHash | None] = ()  # ``pin_chains``: the block before each
 
 
 @dataclass(slots=True)
@@ -39,6 +40,14 @@ class FetchedBlocks:
     token_ids: list[tuple[int, ...]]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    # The block before each (None: a prompt's first block); empty: ``hashes`` is one chain
+    # from the root.
+    parents: list[BlockHash | None] = field(default_factory=list)
+
+    def parent(self, i: int) -> BlockHash | None:
+        if self.parents:
+            return self.parents[i]
+        return self.hashes[i - 1] if i else None
 
     def __len__(self) -> int:
         return len(self.hashes)

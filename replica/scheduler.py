@@ -123,7 +123,8 @@ class Scheduler:
         bs = self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            self.bm.cache_block(seq.block_table[i], seq.block_hashes[i], tokens)
+            parent = seq.block_hashes[i - 1] if i else None
+            self.bm.cache_block(seq.block_table[i], seq.block_hashes[i], tokens, parent)
         seq.num_hashed_blocks = num_full
 
     # ------------------------------------------------------------------ scheduling

@@ -1,20 +1,25 @@
 """Fetch-on-miss in a real cluster: Redis, two replica processes and a router process (tiny
 model). The router's round robin sends the second request of a prefix past the replica holding
 it, with a fetch hint; that replica fetches the prefix. A frozen holder (SIGSTOP) makes the
-fetch time out: the replica prefills instead, and the client sees the same output, no error."""
+fetch time out: the replica prefills instead, and the client sees the same output, no error.
+A holder killed (SIGKILL) while a fetch from it is open ends that fetch at once: the asker
+prefills, same output, no error."""
 
 from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+import redis as redis_client
 from helpers import Proc, free_port, start_redis, wait_until
 
+from prefixmesh import redis_layout
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -93,6 +98,87 @@ def test_router_hint_fetch_and_a_frozen_holder(tiny_model_dir: Path) -> None:
         for proc in reversed(procs):
             proc.stop()
         redis.stop()
+
+
+def test_holder_killed_mid_fetch(tiny_model_dir: Path) -> None:
+    """SIGSTOP the holder so the asker's FetchBlocks stream is open and waiting, then SIGKILL
+    it: the stream breaks (not its deadline, 10 s away), the asker prefills, the client sees
+    the cold run's output and no error, and the asker's pool is intact with nothing held."""
+    redis = start_redis()
+    names = ("fk-0", "fk-1")
+    ports = {name: free_port() for name in names}
+    metrics = {name: free_port() for name in names}
+    procs = [
+        Proc.cli(name, "replica", "--model", str(tiny_model_dir), "--port", str(ports[name]),
+                 "--redis", redis.url, "--namespace", "ftk", "--replica-id", name,
+                 "--threads", "1", "--dtype", "float32", "--num-blocks", "64",
+                 "--max-model-len", "512", "--fetch-prefill-tokens-per-s", "10",
+                 "--fetch-timeout", "10", "--metrics-port", str(metrics[name]))
+        for name in names
+    ]  # fmt: skip
+    channels = {n: grpc.insecure_channel(f"127.0.0.1:{p}") for n, p in ports.items()}
+    gen = {n: pb_grpc.GeneratorStub(channels[n]) for n in names}
+    holder, asker = names
+    try:
+        wait_until(procs, lambda: all(bool(_generate(g, [5, 6, 7])) for g in gen.values()),
+                   "replicas")  # fmt: skip
+        prompt = [random.Random(1).randrange(5, 400) for _ in range(100)]
+        _generate(gen[holder], prompt)
+        channels.pop(holder).close()  # so the only connection to the holder is the asker's
+        _wait_in_redis_map(procs, redis.url, holder, blocks=6)
+        procs[0].proc.send_signal(signal.SIGSTOP)
+        result: dict[str, object] = {}
+
+        def ask() -> None:
+            try:
+                result["out"] = _generate(gen[asker], prompt + [8, 8])
+            except grpc.RpcError as exc:  # the test fails on it below
+                result["error"] = exc
+
+        started = time.monotonic()
+        client = threading.Thread(target=ask)
+        client.start()
+        wait_until(procs[1:], lambda: _connected(ports[holder]), "the asker dialling the holder")
+        time.sleep(0.2)  # its FetchBlocks call is on that connection, waiting for blocks
+        procs[0].proc.kill()
+        procs[0].proc.wait(timeout=10)
+        client.join(timeout=30)
+        assert "error" not in result, result.get("error")
+        tokens, usage, served = result["out"]  # type: ignore[misc]
+        assert served == asker and usage.fetched_tokens == 0 and usage.cached_tokens == 0
+        assert time.monotonic() - started < 8  # the kill ended the fetch, not its deadline
+        assert _fetches(metrics[asker], "failed") == 1 and _fetches(metrics[asker], "timeout") == 0
+        cold, _, _ = _generate(gen[asker], prompt + [8, 8], salt="cold")
+        assert tokens == cold
+        state = pb_grpc.ReplicaStub(channels[asker]).GetCacheState(pb.Empty(), timeout=10)
+        assert state.integrity_ok and state.used_blocks == 0
+    finally:
+        for channel in channels.values():
+            channel.close()
+        for proc in reversed(procs):
+            if proc.alive():
+                proc.stop()
+        redis.stop()
+
+
+def _wait_in_redis_map(procs, url: str, holder: str, blocks: int) -> None:
+    """Until the holder's block set in Redis has ``blocks`` hashes (its KV events landed)."""
+    client = redis_client.Redis.from_url(url)
+    key = redis_layout.blocks_key(holder, "ftk")
+    try:
+        wait_until(procs, lambda: client.scard(key) >= blocks, "KV events in Redis", timeout=30)
+    finally:
+        client.close()
+
+
+def _connected(port: int) -> bool:
+    """Some socket on this machine has an established TCP connection to ``port`` (Linux)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
 
 
 def _fetches(port: int, outcome: str) -> float:

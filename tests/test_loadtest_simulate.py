@@ -69,3 +69,27 @@ def test_cache_aware_beats_round_robin_and_the_request_bound_balances() -> None:
     assert sum(ca.requests_per_replica) == len(reqs)
     # deterministic: the same inputs give the same answer
     assert simulate(reqs, "cache_aware", 3, model, concurrency=4).hit_rate == ca.hit_rate
+
+
+def test_block_pool_import_keeps_what_fits_tail_first() -> None:
+    pool = BlockPool(3)
+    pool.take(1)
+    pool.cache(b"x")  # referenced: cannot be evicted
+    assert pool.import_blocks([b"a", b"b", b"c"]) == 2  # two free blocks, nothing to evict
+    assert list(pool.lru) == [b"b", b"a"] and pool.free() == 0  # the tail goes first
+    assert pool.import_blocks([b"a", b"b"]) == 2  # already held: nothing taken
+
+
+def test_fetching_turns_round_robins_elsewhere_misses_into_hits() -> None:
+    spec = SharedPrefixSpec(num_groups=6, prompts_per_group=12, system_prompt_len=256,
+                            question_len=32, output_len=4, zipf=0.8, seed=1)  # fmt: skip
+    reqs = shared_prefix_requests(spec, TokenBlocks(1, 49152, 100, 0))
+    model = EngineModel(num_blocks=256)
+    plain = simulate(reqs, "round_robin", 3, model, concurrency=4)
+    fetched = simulate(reqs, "round_robin", 3, dataclasses.replace(model, fetch=True), 4)
+    assert plain.fetched_tokens == 0 < fetched.fetched_tokens
+    assert fetched.hit_rate > plain.hit_rate
+    assert fetched.misses["elsewhere"] < plain.misses["elsewhere"]
+    # A transfer slower than the prefill it saves: the cost model declines every fetch.
+    slow = dataclasses.replace(model, fetch=True, fetch_s_per_block=1.0)
+    assert simulate(reqs, "round_robin", 3, slow, concurrency=4).fetched_tokens == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis.asyncio
 
 from prefixmesh.auth import bearer_metadata
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
@@ -363,5 +364,55 @@ def test_smollm2_fetches_a_1500_token_prefix(smollm2_files, dtype):
                 await b.server.loop.call(lambda e: e.reset_prefix_cache())
                 cold, cold_usage = await b.generate(asked)
                 assert cold_usage.cached_tokens == 0 and fetched == cold
+
+    asyncio.run(go())
+
+
+def test_warm_start_prefetches_the_hot_prefix(tiny_model_dir, redis_server):
+    """A replica joining with --warm-start-share pulls the chains its peer holds (bounded by
+    the share), never a salted tenant's, after it already serves; requests then hit locally."""
+    from replica.engine import LLMEngine
+
+    async def go() -> None:
+        async with replicas(tiny_model_dir, 1, redis=redis_server, namespace="warm") as (a,):
+            hot = prompt(100)
+            for seed in range(3):
+                await a.generate(hot + prompt(20, seed=10 + seed))
+            secret = prompt(100, seed=7)
+            await a.generate(secret, cache_salt="tenant")
+            model = a.engine.model_id
+            hot_hashes = block_hashes(hot, BS, model)
+            secret_hashes = block_hashes(secret, BS, model, "tenant")
+            client = redis.asyncio.Redis.from_url(redis_server)
+            deadline = time.monotonic() + 10
+            while not all(await client.smismember("warm:blocks:fetch-0", secret_hashes)):
+                assert time.monotonic() < deadline, "A's blocks never reached Redis"
+                await asyncio.sleep(0.05)
+            await client.aclose()
+            config = ServerConfig(
+                port=0, replica_id="fetch-1", model=str(tiny_model_dir), dtype="float32",
+                block_size=BS, num_blocks=64, max_model_len=512, threads=1, api_key=KEY,
+                redis=redis_server, namespace="warm", warm_start_share=0.25,
+            )  # fmt: skip
+            server = ReplicaServer(config, LLMEngine(config.engine_config()))
+            await server.start()  # returns serving, the warm start in the background
+            b = Replica(server)
+            try:
+                assert server.warm_start is not None
+                inserted = await asyncio.wait_for(server.warm_start, 30)
+                manager = b.engine.block_manager
+                assert 6 <= inserted <= 16  # a quarter of 64 blocks at most
+                assert len(manager.match_prefix(hot_hashes)) == 6
+                assert not manager.match_prefix(secret_hashes[:1])  # another salt's: never
+                ids = hot + [9, 9, 9]
+                tokens, usage = await b.generate(ids)
+                assert usage.cached_tokens == 96 and usage.fetched_tokens == 0
+                await b.server.loop.call(lambda e: e.reset_prefix_cache())
+                cold, cold_usage = await b.generate(ids, cache_salt="cold")
+                assert cold_usage.cached_tokens == 0 and tokens == cold
+                await b.idle_and_sound()
+            finally:
+                await b.channel.close()
+                await server.shutdown()
 
     asyncio.run(go())

@@ -103,7 +103,10 @@ class BlockService:
         await self.check(request, context)
         hashes = list(request.block_hashes)
         salt = request.cache_salt or None
-        pinned = await self.loop.call(lambda e: e.pin_prefix(hashes, salt, request.start))
+        if request.any_order:  # warm start: whole chains of the wanted blocks, parents first
+            pinned = await self.loop.call(lambda e: e.pin_chains(hashes, salt, len(hashes)))
+        else:
+            pinned = await self.loop.call(lambda e: e.pin_prefix(hashes, salt, request.start))
         try:
             for i in range(0, len(pinned.blocks), READ_CHUNK):
                 chunk = pinned.blocks[i : i + READ_CHUNK]
@@ -114,6 +117,7 @@ class BlockService:
                         token_ids=pinned.token_ids[i + j],
                         keys=keys,
                         values=values,
+                        parent_hash=(pinned.parents[i + j] or b"") if pinned.parents else b"",
                     )
                 self.blocks_served += len(chunk)
                 if self.metrics is not None:

@@ -68,6 +68,7 @@ class ServerConfig:
     fetch_min_blocks: int = 1
     fetch_mb_per_s: float = 200.0
     fetch_prefill_tokens_per_s: float = 1000.0
+    warm_start_share: float = 0.0  # replica/server/warm_start.py; 0: off
     attention_backend: str = "auto"
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
@@ -159,6 +160,9 @@ _HELP: dict[str, str] = {
     "fetch_min_blocks": "fetch only when a peer holds at least this many more leading blocks",
     "fetch_mb_per_s": "transfer speed assumed until the first fetch measures it (MB/s)",
     "fetch_prefill_tokens_per_s": "prefill speed assumed until a prefill measures it",
+    "warm_start_share": "after it starts serving, pre-fetch the cluster's hottest prefixes "
+    "(the blocks most peers hold in the Redis map) from a peer, up to this share of the KV "
+    "pool, in the background (0: off; needs --redis and fetching)",
     "attention_backend": "attention kernels: auto, torch or triton",
     "device": "torch device: cpu or cuda",
     "scheduling_policy": "fcfs or priority (lower GenerateRequest.priority first)",
@@ -203,6 +207,8 @@ def _check(config: ServerConfig) -> None:
         problems.append("--fetch-timeout and --fetch-mb-per-s must be > 0")
     if config.fetch_prefill_tokens_per_s <= 0:
         problems.append("--fetch-prefill-tokens-per-s must be > 0")
+    if not 0 <= config.warm_start_share <= 1:
+        problems.append(f"--warm-start-share must be in [0, 1] (got {config.warm_start_share})")
     if config.block_size < 1:
         problems.append(f"--block-size must be >= 1 (got {config.block_size})")
     problems += limits.check_limits(limits.RequestLimits.from_config(config))

@@ -208,7 +208,7 @@ class PeerFetcher:
             return 0
         gain = holder.num_blocks - local
         if not self.cost.worth_it(gain * self.bytes_per_block, gain * bs):
-            self._count("skipped_cost")
+            self.count("skipped_cost")
             return 0
         # One transfer per prefix: a burst of requests sharing it waits for the first one's
         # (in a task of its own, so a waiter or the first asker going away does not stop it).
@@ -229,14 +229,14 @@ class PeerFetcher:
         deadline = min(self.config.timeout_s, max(0.5, 2 * self.cost.recompute_s(gain * bs)))
         started = time.monotonic()
         blocks, outcome = await self._pull(holder, hashes, local, cache_salt, deadline)
-        fetched = await self._insert(blocks)
+        fetched = await self.insert(blocks)
         seconds = time.monotonic() - started
         num_bytes = len(blocks) * self.bytes_per_block
         if outcome == "fetched":
             self.cost.record_transfer(num_bytes, seconds)
         self.last_transfer = (num_bytes, seconds)
         self.fetched_tokens += fetched * bs
-        self._count(outcome, fetched * bs, num_bytes)
+        self.count(outcome, fetched * bs, num_bytes)
         log.debug(
             "fetched %d of %d blocks from %s in %.3fs (%s)",
             fetched, gain, holder.replica_id, seconds, outcome,
@@ -275,7 +275,7 @@ class PeerFetcher:
             hash_scheme=self.layout.hash_scheme,
             start=start,
         )
-        stub = pb_grpc.ReplicaStub(self._channel(holder.address))
+        stub = pb_grpc.ReplicaStub(self.channel(holder.address))
         call = stub.FetchBlocks(request, timeout=timeout, metadata=bearer_metadata(self.api_key))
         parent = hashes[start - 1] if start else root_hash(self.layout.model_id, cache_salt)
         blocks: list[pb.KVBlock] = []
@@ -286,6 +286,7 @@ class PeerFetcher:
                     raise ValueError(f"block {i} is not the one asked for")
                 if hash_block(parent, block.token_ids) != block.block_hash:
                     raise ValueError(f"block {i}'s tokens do not hash to it")
+                block.parent_hash = parent if i else b""  # the first block's: the root
                 blocks.append(block)
                 parent = block.block_hash
         except grpc.aio.AioRpcError as exc:
@@ -298,7 +299,7 @@ class PeerFetcher:
             return blocks, "failed"
         return blocks, "fetched"
 
-    async def _insert(self, blocks: list[pb.KVBlock]) -> int:
+    async def insert(self, blocks: list[pb.KVBlock]) -> int:
         """Turn the received bytes into tensors (off both threads), then into the pool."""
         if not blocks:
             return 0
@@ -320,16 +321,17 @@ class PeerFetcher:
             [tuple(b.token_ids) for b in blocks],
             [layer_tensor([b.keys[i] for b in blocks], dtype, shape) for i in layers],
             [layer_tensor([b.values[i] for b in blocks], dtype, shape) for i in layers],
+            [b.parent_hash or None for b in blocks],
         )
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             options = [("grpc.max_receive_message_length", 64 * 2**20)]
             channel = self._channels[address] = aio_channel(address, self.tls, options)
         return channel
 
-    def _count(self, outcome: str, tokens: int = 0, num_bytes: int = 0) -> None:
+    def count(self, outcome: str, tokens: int = 0, num_bytes: int = 0) -> None:
         if self.metrics is not None:
             self.metrics.count_fetch(outcome, tokens, num_bytes)
 

@@ -44,6 +44,7 @@ from replica.server.kv_publisher import KVEventBuffer, KVPublisher
 from replica.server.metrics import ReplicaMetrics
 from replica.server.peer_fetch import FetchConfig, PeerFetcher, RedisHolders
 from replica.server.servicers import GeneratorService, ReplicaService, ServedModel
+from replica.server.warm_start import warm_start
 
 if TYPE_CHECKING:
     from prefixmesh.openai.http import OpenAIHttpServer
@@ -76,6 +77,7 @@ class ReplicaServer:
         self.metrics: ReplicaMetrics | None = None
         self.metrics_port = 0
         self.http: OpenAIHttpServer | None = None  # when --http-port is set
+        self.warm_start: asyncio.Task[int] | None = None  # --warm-start-share
         self.http_address = ""
         self.fetcher: PeerFetcher | None = None  # fetch-on-miss, unless --no-fetch
         self.health = health.aio.HealthServicer()
@@ -130,6 +132,12 @@ class ReplicaServer:
             self.publisher.start()
         for name in ("", *services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.warm_start_share > 0 and self.fetcher is not None and self.fetcher.holders:
+            # After SERVING: readiness never waits for it (replica/server/warm_start.py).
+            self.warm_start = asyncio.ensure_future(
+                warm_start(self.fetcher, self.engine.block_manager.num_blocks,
+                           cfg.warm_start_share)
+            )  # fmt: skip
         log.info(
             "replica %s serving %s on %s:%d (advertised %s)%s",
             self.replica_id,
@@ -253,6 +261,8 @@ class ReplicaServer:
             await self._server.stop(grace=0.5)
         if self.http is not None:
             await self.http.close()
+        if self.warm_start is not None:
+            self.warm_start.cancel()
         if self.fetcher is not None:
             await self.fetcher.close()
         if self.loop is not None:
