@@ -22,7 +22,7 @@ from loadtest.report import print_comparison, print_summary
 from loadtest.runner import RunLimits
 from loadtest.slo import parse_slo
 from loadtest.tokens import DEFAULT_MIN_TOKEN_ID, DEFAULT_VOCAB_SIZE
-from loadtest.workload import SAMPLE_TRACE, WORKLOADS, build_workload
+from loadtest.workload import PROMPT_FORMATS, SAMPLE_TRACE, WORKLOADS, build_workload
 from prefixmesh import event_loop, tls
 
 
@@ -96,6 +96,13 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="tokens each 512-token trace block shrinks to",
+    )
+    g.add_argument(
+        "--prompt-format",
+        choices=PROMPT_FORMATS,
+        default="token-ids",
+        help="trace: send token ids, or text with one fixed sentence of --tokens-per-hash-id "
+        "tokens per hash id (for routers that match text, e.g. sglang-router)",
     )
     g.add_argument("--trace-start", type=float, default=0.0, help="trace window start (trace s)")
     g.add_argument("--trace-window", type=float, default=None, help="trace window length (trace s)")

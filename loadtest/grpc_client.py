@@ -29,12 +29,16 @@ def channel_options(index: int) -> list[tuple[str, object]]:
 
 
 def build_request(request: LoadRequest) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+    msg = pb.GenerateRequest(
         request_id=f"loadtest-{request.index}",
-        token_ids=pb.TokenIds(ids=request.token_ids),
         sampling=pb.SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
         cache_salt=request.cache_salt,
     )
+    if request.text is None:
+        msg.token_ids.ids.extend(request.token_ids)
+    else:
+        msg.text = request.text
+    return msg
 
 
 class GrpcClient(GenerateClient):

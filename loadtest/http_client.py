@@ -1,6 +1,6 @@
 """``GenerateClient`` over OpenAI HTTP: streaming ``POST /v1/completions`` (router or replica).
 
-Each request goes as ``prompt`` = its token ids, with ``max_tokens``, ``ignore_eos``, greedy
+Each request goes as ``prompt`` = its token ids (or its text, ``--prompt-format text``), with ``max_tokens``, ``ignore_eos``, greedy
 sampling and the run's ``cache_salt`` (as the gRPC client sends them), ``stream: true`` and
 ``stream_options.include_usage``. Server-sent events carry text, not token ids, so per-message
 token counts are not on the wire: every text-bearing event is one token-bearing ``Chunk`` (its
@@ -36,7 +36,7 @@ REPLICA_HEADER = "X-Prefixmesh-Replica"
 def build_body(request: LoadRequest, model: str | None) -> dict[str, Any]:
     """The ``/v1/completions`` body of one load-test request."""
     body: dict[str, Any] = {
-        "prompt": request.token_ids,
+        "prompt": request.token_ids if request.text is None else request.text,
         "max_tokens": request.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,

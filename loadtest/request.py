@@ -10,6 +10,9 @@ from typing import Any
 class LoadRequest:
     """One request of a workload, sent as token ids with an exact output length.
 
+    ``text``, when set (``--prompt-format text``), is sent as the prompt instead of the token
+    ids, which then stand for it in offline computations (ceilings, simulation).
+
     ``planned_time`` is seconds after the start of the run (filled in by the arrival schedule);
     ``None`` in closed-loop mode, where a request goes as soon as a worker is free.
     """
@@ -22,6 +25,7 @@ class LoadRequest:
     turn: int | None = None  # multi-turn conversations: 0 for the first turn
     trace_timestamp_ms: float | None = None
     cache_salt: str = ""
+    text: str | None = None
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.request import LoadRequest
+from loadtest.text import TextBlocks, trace_text
 from loadtest.tokens import TokenBlocks
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -71,9 +72,10 @@ def scaled_input_length(row: TraceRow, tokens_per_hash_id: int) -> int:
 
 
 def trace_requests(
-    rows: list[TraceRow], blocks: TokenBlocks, opts: TraceOptions
+    rows: list[TraceRow], blocks: TokenBlocks, opts: TraceOptions, texts: TextBlocks | None = None
 ) -> list[LoadRequest]:
-    """Turn trace rows into requests; ``planned_time`` is trace time (s) from the window start."""
+    """Turn trace rows into requests; ``planned_time`` is trace time (s) from the window start.
+    With ``texts``, each request also gets a text prompt of the same blocks (``trace_text``)."""
     if blocks.block_len != opts.tokens_per_hash_id:
         raise ValueError("TokenBlocks.block_len must equal tokens_per_hash_id")
     if not rows:
@@ -109,6 +111,9 @@ def trace_requests(
                 planned_time=t,
                 group=row.hash_ids[0] if row.hash_ids else None,
                 trace_timestamp_ms=row.timestamp_ms,
+                text=None
+                if texts is None
+                else trace_text(row.hash_ids, n, blocks.block_len, texts),
             )
         )
     return requests

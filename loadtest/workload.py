@@ -8,11 +8,13 @@ from pathlib import Path
 from loadtest.arrivals import ArrivalSpec, schedule
 from loadtest.request import LoadRequest
 from loadtest.synthetic import RandomSpec, SharedPrefixSpec, random_requests, shared_prefix_requests
+from loadtest.text import TextBlocks
 from loadtest.tokens import TokenBlocks
 from loadtest.trace import TraceOptions, read_trace, trace_requests
 
 SAMPLE_TRACE = Path(__file__).parent / "data" / "sample_trace.jsonl"
 WORKLOADS = ("trace", "shared-prefix", "random")
+PROMPT_FORMATS = ("token-ids", "text")
 
 
 def build_workload(args: argparse.Namespace) -> list[LoadRequest]:
@@ -27,8 +29,14 @@ def build_workload(args: argparse.Namespace) -> list[LoadRequest]:
             limit=args.limit,
         )
         blocks = TokenBlocks(args.tokens_per_hash_id, args.vocab_size, args.min_token_id, args.seed)
-        requests = trace_requests(read_trace(args.trace or SAMPLE_TRACE), blocks, opts)
+        texts = None
+        if getattr(args, "prompt_format", "token-ids") == "text":
+            # one word per token and a full stop: a sentence per hash id of that many tokens
+            texts = TextBlocks(max(1, args.tokens_per_hash_id - 1), args.seed)
+        requests = trace_requests(read_trace(args.trace or SAMPLE_TRACE), blocks, opts, texts)
     else:
+        if getattr(args, "prompt_format", "token-ids") == "text":
+            raise ValueError("--prompt-format text needs a trace workload (--trace)")
         blocks = TokenBlocks(1, args.vocab_size, args.min_token_id, args.seed)
         if args.workload == "shared-prefix":
             spec = SharedPrefixSpec(

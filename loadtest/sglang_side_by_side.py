@@ -1,0 +1,280 @@
+"""Our router against sglang-router, on the same replicas and the same text workload.
+
+``python -m loadtest.sglang_side_by_side --sglang-python /tmp/sgl-venv/bin/python`` starts
+Redis, ``--replicas`` replicas (each with an OpenAI HTTP port) and our router (gRPC + HTTP),
+then, for each router in ``--order``, replays the same trace requests as text prompts
+(``prefixmesh loadtest --prompt-format text``, closed loop) through that router's OpenAI HTTP
+door: sglang-router (``python -m sglang_router.launch_router --policy cache_aware`` in front
+of the replicas' HTTP ports, from the virtual environment of ``--sglang-python``; none of it is
+a project dependency) or ours. Hit rates come from the replicas' own usage
+(``prompt_tokens_details.cached_tokens``), so they compare across routers.
+
+Every run starts cold: each sends a fresh ``cache_salt`` (the load tester's default), and
+blocks of different salts never match, while the earlier run's blocks, all older, are the
+first the replicas' LRU evicts. sglang-router starts fresh for its run (an empty tree); with or
+without the salt (it may drop the field), its prompts match no block of the other run.
+
+Results: ``--out/<router>/`` (the load tester's files) and ``--out/side_by_side.json``; a
+markdown table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from loadtest.upcluster import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUTERS = ("sglang", "prefixmesh")
+# Redis as a child process, started the way ``prefixmesh up`` starts it (the load tester does
+# not import the CLI package; the child does).
+_REDIS = (
+    "import os, sys; from prefixmesh.cli.redis_server import redis_command; "
+    "c = redis_command(int(sys.argv[1])); os.execv(c[0], c)"
+)
+
+
+def _above_replicas() -> None:
+    """In a child: one real-time priority above this process's, when it runs under
+    ``chrt -f``. Every child inherits SCHED_FIFO, and a replica's forward pass then keeps its
+    core until it blocks, so Redis and the routers (light, and on every request's path) would
+    wait behind it: Redis timed out under our router and it routed blind. Both routers get the
+    same boost."""
+    if os.sched_getscheduler(0) == os.SCHED_FIFO:
+        prio = os.sched_getparam(0).sched_priority
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(prio + 1))
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prefixmesh.cli", *args]
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _wait(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(_ok(u) for u in urls):
+        dead = [p.args for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"exited before ready: {dead}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not ready after {timeout_s}s: {urls}")
+        time.sleep(1.0)
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no server on port {port} ({proc.args})") from None
+            time.sleep(0.5)
+
+
+class Cluster:
+    """Redis, replicas with HTTP ports, and our router, as subprocesses logging to ``logs``."""
+
+    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
+        self.args, self.logs = args, logs
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.replica_http: list[str] = []
+        self.router_grpc = self.router_http = ""
+
+    def _spawn(self, name: str, argv: list[str], boost: bool = False) -> subprocess.Popen[bytes]:
+        log = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=_above_replicas if boost else None,
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> None:
+        a = self.args
+        redis = a.redis
+        if not redis:
+            port = free_port()
+            proc = self._spawn("redis", [sys.executable, "-c", _REDIS, str(port)], True)
+            redis = f"redis://127.0.0.1:{port}/0"
+            _wait_port(port, proc, 60.0)
+        for i in range(a.replicas):
+            g, h = free_port(), free_port()
+            self._spawn(f"replica-{i}", _cli(
+                "replica", "--host", "127.0.0.1", "--port", str(g), "--http-port", str(h),
+                "--replica-id", f"replica-{i}", "--redis", redis, "--model", a.model,
+                "--threads", str(a.threads), "--block-size", str(a.block_size),
+                *a.replica_arg,
+            ))  # fmt: skip
+            self.replica_http.append(f"http://127.0.0.1:{h}")
+        g, h = free_port(), free_port()
+        self._spawn("router", _cli(
+            "router", "--port", str(g), "--http-port", str(h), "--redis", redis,
+            "--policy", a.policy, *a.router_arg,
+        ), True)  # fmt: skip
+        self.router_grpc, self.router_http = f"127.0.0.1:{g}", f"http://127.0.0.1:{h}"
+        health = [f"{u}/health" for u in self.replica_http] + [f"{self.router_http}/health"]
+        _wait(health, self.procs, a.startup_timeout)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _start_sglang(
+    args: argparse.Namespace, cluster: Cluster, logs: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    argv = [
+        args.sglang_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+        "--port", str(port), "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(free_port()), "--policy", args.sglang_policy,
+        "--worker-urls", *cluster.replica_http,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=(logs / "sglang-router.log").open("wb"), stderr=subprocess.STDOUT,
+        preexec_fn=_above_replicas,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    _wait([f"{url}/health"], [proc], 120.0)
+    return proc, url
+
+
+def _loadtest(args: argparse.Namespace, target: str, cluster: str, out: Path) -> dict:
+    argv = _cli(
+        "loadtest", "--target", target, "--cluster", cluster, "--model", args.served_model,
+        "--trace", str(args.trace), "--prompt-format", "text",
+        "--tokens-per-hash-id", str(args.tokens_per_hash_id), "--limit", str(args.limit),
+        "--max-output-tokens", str(args.max_tokens), "--arrival", "closed",
+        "--concurrency", str(args.concurrency), "--block-size", str(args.block_size),
+        "--max-duration", str(args.max_duration), "--no-progress", "--no-plots",
+        "--out", str(out),
+    )  # fmt: skip
+    subprocess.run(argv, cwd=ROOT, check=True)
+    return json.loads((out / "summary.json").read_text())
+
+
+def row(name: str, s: dict) -> dict:
+    lat = s["latency_ms"]
+    cl = s.get("cluster") or {}
+    return {
+        "router": name,
+        "requests_ok": s["requests"]["ok"],
+        "failed": s["requests"]["failed"],
+        "hit_rate": s["hit_rate"],
+        "ttft_p50_ms": lat["ttft"]["p50"],
+        "ttft_p90_ms": lat["ttft"]["p90"],
+        "e2e_p50_ms": lat["e2e"]["p50"],
+        "e2e_p90_ms": lat["e2e"]["p90"],
+        "requests_per_s": s["throughput"]["requests_per_s"],
+        "per_replica_requests": {k: v["requests"] for k, v in s["per_replica"].items()},
+        "per_replica_hit_rate": {k: v["hit_rate"] for k, v in s["per_replica"].items()},
+        "misses": cl.get("misses"),
+        "ceilings": s.get("ceilings"),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v / 1000:.2f} s"
+
+    lines = [
+        "| router | ok | hit rate | TTFT p50 | TTFT p90 | e2e p50 | e2e p90 | req/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
+        lines.append(
+            f"| {r['router']} | {r['requests_ok']} | {hit} | {ms(r['ttft_p50_ms'])} | "
+            f"{ms(r['ttft_p90_ms'])} | {ms(r['e2e_p50_ms'])} | {ms(r['e2e_p90_ms'])} | "
+            f"{r['requests_per_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.sglang_side_by_side",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--sglang-python", default="/tmp/sgl-venv/bin/python",
+                   help="python of a virtual environment with sglang-router installed")  # fmt: skip
+    p.add_argument("--sglang-policy", default="cache_aware")
+    p.add_argument("--order", default="sglang,prefixmesh", help="routers, in run order")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--redis", default="", help="Redis URL (default: start one)")
+    p.add_argument("--model", default="smollm2", help="replicas' --model")
+    p.add_argument("--served-model", default="smollm2", help="the body's model field")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--policy", default="cache_aware", help="our router's policy")
+    p.add_argument("--replica-arg", action="append", default=[], help="extra replica flag")
+    p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
+    p.add_argument(
+        "--trace", type=Path, default=Path("../shared/data/traces/synthetic_trace.jsonl")
+    )
+    p.add_argument("--tokens-per-hash-id", type=int, default=16)
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-duration", type=float, default=900.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--out", type=Path, default=Path("loadtest-results/sglang-side-by-side"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    order = [r.strip() for r in args.order.split(",") if r.strip()]
+    if bad := [r for r in order if r not in ROUTERS]:
+        print(f"--order: unknown routers {bad} (known: {', '.join(ROUTERS)})", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+    cluster = Cluster(args, logs)
+    rows: list[dict] = []
+    try:
+        cluster.start()
+        for name in order:
+            if name == "sglang":
+                proc, url = _start_sglang(args, cluster, logs)
+                try:
+                    summary = _loadtest(args, url, "none", args.out / name)
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+            else:
+                summary = _loadtest(args, cluster.router_http, cluster.router_grpc, args.out / name)
+            rows.append(row(name, summary))
+    finally:
+        cluster.stop()
+    (args.out / "side_by_side.json").write_text(json.dumps(rows, indent=2))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
