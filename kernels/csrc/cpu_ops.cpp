@@ -20,6 +20,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -64,6 +65,36 @@ inline fVec round_to(const fVec& v) {
 template <>
 inline fVec round_to<float>(const fVec& v) {
   return v;
+}
+
+// Pairs of vectors (2W elements) as float: a bfloat16/float16 store converts both halves at
+// once, where storef converts a full register pair to keep one half.
+template <typename T>
+inline void load2(const T* p, fVec& a, fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = fVec::loadu(p);
+    b = fVec::loadu(p + W);
+  } else {
+    at::vec::load_to_float<T>(p, a, b);
+  }
+}
+
+template <typename T>
+inline void store2(T* p, const fVec& a, const fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + W);
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// a and b rounded to T's precision and back (a no-op for float).
+template <typename T>
+inline void round2(fVec& a, fVec& b) {
+  if constexpr (!std::is_same_v<T, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+  }
 }
 
 template <typename T>
@@ -499,7 +530,8 @@ void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float sc
         items.push_back({(lp[s] - q_len + r1) * (r1 - r0) * G, s, h, r0, r1});
     }
   }
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::sort(items.begin(), items.end(),
+            [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -573,14 +605,29 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
     std::vector<float> buf(n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
+      T* rr = residual ? residual + r * n : nullptr;
       fVec ss(0.f);
       int64_t i = 0;
+      for (; i + 2 * W <= n; i += 2 * W) {
+        fVec a, b;
+        load2(xr + i, a, b);
+        if (rr) {
+          fVec ra, rb;
+          load2(rr + i, ra, rb);
+          a = a + ra;
+          b = b + rb;
+          round2<T>(a, b);  // the residual as the model stores it
+          store2(rr + i, a, b);
+        }
+        a.store(buf.data() + i);
+        b.store(buf.data() + i + W);
+        ss = at::vec::fmadd(b, b, at::vec::fmadd(a, a, ss));  // a first, as one at a time
+      }
       for (; i + W <= n; i += W) {
         fVec v = loadf(xr + i);
-        if (residual) {
-          T* rr = residual + r * n + i;
-          storef(rr, v + loadf(rr));
-          v = loadf(rr);  // rounded to T as the model would store it
+        if (rr) {
+          storef(rr + i, v + loadf(rr + i));
+          v = loadf(rr + i);  // rounded to T as the model would store it
         }
         v.store(buf.data() + i);
         ss = at::vec::fmadd(v, v, ss);
@@ -588,9 +635,9 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
       float sum = hsum(ss);
       for (; i < n; ++i) {
         float v = to_float(xr[i]);
-        if (residual) {
-          residual[r * n + i] = static_cast<T>(v + to_float(residual[r * n + i]));
-          v = to_float(residual[r * n + i]);
+        if (rr) {
+          rr[i] = static_cast<T>(v + to_float(rr[i]));
+          v = to_float(rr[i]);
         }
         buf[i] = v;
         sum += v * v;
@@ -598,7 +645,15 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
       const float inv = 1.f / std::sqrt(sum / n + eps);
       T* o = out + r * n;
       const fVec inv_v(inv);
-      for (i = 0; i + W <= n; i += W)
+      for (i = 0; i + 2 * W <= n; i += 2 * W) {
+        fVec a = fVec::loadu(buf.data() + i) * inv_v;
+        fVec b = fVec::loadu(buf.data() + i + W) * inv_v;
+        round2<T>(a, b);  // the normalized row in T, as Hugging Face rounds it
+        fVec wa, wb;
+        load2(weight + i, wa, wb);
+        store2(o + i, wa * a, wb * b);
+      }
+      for (; i + W <= n; i += W)
         storef(o + i, loadf(weight + i) * round_to<T>(fVec::loadu(buf.data() + i) * inv_v));
       for (; i < n; ++i) {
         const T normed = static_cast<T>(buf[i] * inv);
@@ -656,6 +711,13 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t inter) {
       const T* u = g + inter;
       T* o = out + r * inter;
       int64_t i = 0;
+      for (; i + 2 * W <= inter; i += 2 * W) {
+        fVec xa, xb, ua, ub;
+        load2(g + i, xa, xb);
+        load2(u + i, ua, ub);
+        store2(o + i, xa / (one + exp_for<T>(xa.neg())) * ua,
+               xb / (one + exp_for<T>(xb.neg())) * ub);
+      }
       for (; i + W <= inter; i += W) {
         const fVec x = loadf(g + i);
         storef(o + i, x / (one + exp_for<T>(x.neg())) * loadf(u + i));
