@@ -29,17 +29,25 @@ def _tokens(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> 
     return [r.token_id for r in sampler.sample(logits, rows)]
 
 
+# Greedy rows take the C++ argmax where the kernels build, torch's otherwise: both, same answer.
+KERNEL = pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+
+
+@KERNEL
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+def test_greedy_is_argmax(dtype: torch.dtype, kernel: bool) -> None:
     logits = _logits(8, dtype=dtype)
-    out = _tokens(Sampler(0), logits, _rows([SamplingParams(temperature=0.0)] * 8))
+    sampler = Sampler(0, use_cpu_kernel=kernel)
+    out = _tokens(sampler, logits, _rows([SamplingParams(temperature=0.0)] * 8))
     assert out == logits.float().argmax(-1).tolist()
 
 
-def test_greedy_ties_take_lowest_id() -> None:
+@KERNEL
+def test_greedy_ties_take_lowest_id(kernel: bool) -> None:
     logits = torch.zeros(1, V)
     logits[0, [7, 3, 500]] = 5.0
-    assert _tokens(Sampler(0), logits, _rows([SamplingParams(temperature=0.0)])) == [3]
+    sampler = Sampler(0, use_cpu_kernel=kernel)
+    assert _tokens(sampler, logits, _rows([SamplingParams(temperature=0.0)])) == [3]
 
 
 @pytest.mark.parametrize(
