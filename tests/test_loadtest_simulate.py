@@ -54,11 +54,15 @@ def test_block_pool_references_evicts_lru_and_releases_tail_first() -> None:
     assert not pool.holds(b"a") and pool.holds(b"r") and pool.evicted == 1
 
 
-def test_cache_aware_beats_round_robin_and_the_request_bound_balances() -> None:
+def _hot_groups():
+    """Six shared-prefix groups of Zipf-skewed popularity, and an engine of 256 blocks."""
     spec = SharedPrefixSpec(num_groups=6, prompts_per_group=12, system_prompt_len=256,
                             question_len=32, output_len=4, zipf=0.8, seed=1)  # fmt: skip
-    reqs = shared_prefix_requests(spec, TokenBlocks(1, 49152, 100, 0))
-    model = EngineModel(num_blocks=256)
+    return shared_prefix_requests(spec, TokenBlocks(1, 49152, 100, 0)), EngineModel(num_blocks=256)
+
+
+def test_cache_aware_beats_round_robin_and_the_request_bound_balances() -> None:
+    reqs, model = _hot_groups()
     ca = simulate(reqs, "cache_aware", 3, model, concurrency=4)
     rr = simulate(reqs, "round_robin", 3, model, concurrency=4)
     assert ca.hit_rate > rr.hit_rate
@@ -81,10 +85,7 @@ def test_block_pool_import_keeps_what_fits_tail_first() -> None:
 
 
 def test_fetching_turns_round_robins_elsewhere_misses_into_hits() -> None:
-    spec = SharedPrefixSpec(num_groups=6, prompts_per_group=12, system_prompt_len=256,
-                            question_len=32, output_len=4, zipf=0.8, seed=1)  # fmt: skip
-    reqs = shared_prefix_requests(spec, TokenBlocks(1, 49152, 100, 0))
-    model = EngineModel(num_blocks=256)
+    reqs, model = _hot_groups()
     plain = simulate(reqs, "round_robin", 3, model, concurrency=4)
     fetched = simulate(reqs, "round_robin", 3, dataclasses.replace(model, fetch=True), 4)
     assert plain.fetched_tokens == 0 < fetched.fetched_tokens

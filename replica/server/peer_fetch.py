@@ -203,6 +203,8 @@ class PeerFetcher:
         # A read of the block index from the event loop: a stale answer only changes whether
         # this request fetches, and dict lookups are atomic under the GIL.
         local = len(manager.match_prefix(hashes))
+        if local == len(hashes):  # held here already: nothing to gain, no Redis round trip
+            return 0
         holder = await self._holder(hashes, local, hint)
         if holder is None or holder.num_blocks - local < self.config.min_blocks:
             return 0
