@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -501,15 +502,16 @@ void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float sc
       vf_size += lp[s] * D;
     }
   }
-  std::vector<float> kt(kt_size), vf(vf_size);
+  // Not zero-filled: stage_kv writes every element (zeros past each sequence's end itself).
+  std::unique_ptr<float[]> kt(new float[kt_size]), vf(new float[vf_size]);
   at::parallel_for(0, int64_t(staged.size()) * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = staged[item / KVH], h = item % KVH;
       rows.resize(lp[s]);
       token_rows(p.tables + s * p.MB, lp[s], p.BS, p.row, rows.data());
-      stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * D, kt.data() + kt_at[s * KVH + h],
-                     vf.data() + vf_at[s * KVH + h]);
+      stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * D, kt.get() + kt_at[s * KVH + h],
+                     vf.get() + vf_at[s * KVH + h]);
     }
   });
 
@@ -545,8 +547,8 @@ void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float sc
         continue;
       }
       prefill_tile<T, D>(p.q + first * p.q_stride, p.q_stride, p.q_head_stride, it.h, G, it.r0,
-                         it.r1, lp[s] - q_len, kt.data() + kt_at[s * KVH + it.h],
-                         vf.data() + vf_at[s * KVH + it.h], scale, p.out + first * out_stride,
+                         it.r1, lp[s] - q_len, kt.get() + kt_at[s * KVH + it.h],
+                         vf.get() + vf_at[s * KVH + it.h], scale, p.out + first * out_stride,
                          out_stride, qbuf, scores, inv, outs);
     }
   });
