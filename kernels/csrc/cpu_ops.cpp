@@ -161,7 +161,7 @@ inline fVec exp_for(const fVec& x) {
 // Scores of GB query heads against every cached key of one KV head.
 template <typename T, int D, int GB>
 inline void score_heads(const fVec* qv, const T* kc, const int64_t* rows, int64_t len,
-                        int64_t off, float* scores) {
+                        int64_t off, float* scores, int64_t stride) {
   constexpr int V = D / W;
   for (int64_t t = 0; t < len; ++t) {
     if (t + PREFETCH_TOKENS < len)
@@ -177,7 +177,7 @@ inline void score_heads(const fVec* qv, const T* kc, const int64_t* rows, int64_
         b = at::vec::fmadd(kv[i + 1], qv[g * V + i + 1], b);
       }
       if constexpr (V % 2 == 1 && V > 1) a = at::vec::fmadd(kv[V - 1], qv[g * V + V - 1], a);
-      scores[g * len + t] = hsum(a + b);
+      scores[g * stride + t] = hsum(a + b);
     }
   }
 }
@@ -213,38 +213,39 @@ inline void weigh_values(const float* scores, const float* inv_sum, const T* vc,
   }
 }
 
-// Softmax numerators in place; returns 1 / their sum (applied once, to the outputs).
+// Softmax numerators in place of a row's first `len` scores, taken over whole vectors: the
+// scores from len up to `padded` (len rounded up to the vector width, within the row) are set
+// to -inf first, so their numerators are 0 and no element is left to a scalar tail. A row of a
+// few hundred scores otherwise spends as long on its last few elements' scalar exps as on the
+// rest. Returns 1 / the numerators' sum.
 template <typename T>
-inline float softmax_row(float* s, int64_t len) {
-  fVec mx(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + W <= len; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
-  float m = at::vec::vec_reduce_all<float>(
+inline float softmax_padded(float* s, int64_t len, int64_t padded) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::fill(s + len, s + padded, -inf);
+  fVec mx(-inf);
+  for (int64_t t = 0; t < padded; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
+  const float m = at::vec::vec_reduce_all<float>(
       [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, mx);
-  for (; t < len; ++t) m = std::max(m, s[t]);
   fVec sum(0.f);
   const fVec mv(m);
-  t = 0;
-  for (; t + W <= len; t += W) {
+  for (int64_t t = 0; t < padded; t += W) {
     const fVec e = exp_for<T>(fVec::loadu(s + t) - mv);
     e.store(s + t);
     sum = sum + e;
   }
-  float total = hsum(sum);
-  for (; t < len; ++t) {
-    s[t] = std::exp(s[t] - m);
-    total += s[t];
-  }
-  return 1.f / total;
+  return 1.f / hsum(sum);
 }
+
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 template <typename T, int D, int GB>
 void attend_heads(const fVec* qv, const T* kc, const T* vc, const int64_t* rows, int64_t len,
                   int64_t off, float* scores, T* out) {
-  score_heads<T, D, GB>(qv, kc, rows, len, off, scores);
+  const int64_t stride = round_up(len, W);  // the caller's buffer rows are whole tiles
+  score_heads<T, D, GB>(qv, kc, rows, len, off, scores, stride);
   float inv_sum[GB];
-  for (int g = 0; g < GB; ++g) inv_sum[g] = softmax_row<T>(scores + g * len, len);
-  weigh_values<T, D, GB>(scores, inv_sum, vc, rows, len, off, out, len);
+  for (int g = 0; g < GB; ++g) inv_sum[g] = softmax_padded<T>(scores + g * stride, len, stride);
+  weigh_values<T, D, GB>(scores, inv_sum, vc, rows, len, off, out, stride);
 }
 
 // ---------------------------------------------------------------- decode scores as tile products
@@ -706,8 +707,9 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t q_head_stride, int64_t k
   for (int64_t n = 0; n < nq; ++n) {
     const int64_t attended = first_pos + r0 + n / G + 1;
     float* s = &scores[n * stride];
-    inv[n] = softmax_row<T>(s, attended);
-    std::fill(s + attended, s + len, 0.f);  // causal: later keys weigh nothing
+    const int64_t padded = round_up(attended, W);  // <= stride
+    inv[n] = softmax_padded<T>(s, attended, padded);  // causal: later keys weigh nothing
+    if (padded < len) std::fill(s + padded, s + len, 0.f);
   }
   for (int64_t n = 0; n < nq; n += PV_ROWS)
     weigh_rest<T, D>(std::min<int64_t>(PV_ROWS, nq - n), &scores[n * stride], stride, vf, len,
