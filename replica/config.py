@@ -32,6 +32,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # A waiting request whose next uncached prompt blocks are being prefilled right now by a
+    # running request waits for them to land in the prefix cache instead of computing them
+    # again (SGLang deprioritizes such requests the same way). See Scheduler.schedule.
+    wait_for_inflight_prefix: bool = True
     # How a preempted sequence gives its blocks back: "recompute" drops them (full ones stay in
     # the prefix cache), "swap" copies them to a host pool of ``swap_space_gb`` and back.
     # "auto" swaps where the device has memory of its own (CUDA) and recomputes on CPU.

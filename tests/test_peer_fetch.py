@@ -234,9 +234,13 @@ def test_another_salts_blocks_are_not_served(tiny_model_dir):
 def test_source_failing_mid_fetch_falls_back_to_prefill(tiny_model_dir, monkeypatch):
     read = block_service.read_blocks
 
+    reads = []  # blocks read for sending so far
+
     def slow_read(kv_caches, blocks):
         time.sleep(0.3)
-        return read(kv_caches, blocks)
+        out = read(kv_caches, blocks)
+        reads.append(len(blocks))
+        return out
 
     monkeypatch.setattr(block_service, "READ_CHUNK", 1)
     monkeypatch.setattr(block_service, "read_blocks", slow_read)
@@ -247,7 +251,10 @@ def test_source_failing_mid_fetch_falls_back_to_prefill(tiny_model_dir, monkeypa
             await a.generate(ids)
             expected, _ = await cold.generate(ids)
             task = asyncio.create_task(b.generate(ids, fetch_hint=a.hint(6)))
-            await asyncio.sleep(0.9)  # a few blocks have arrived
+            for _ in range(300):  # a few blocks are on their way (bounded: 30 s)
+                if len(reads) >= 3:
+                    break
+                await asyncio.sleep(0.1)
             await a.server._server.stop(grace=0)  # the holder dies mid-transfer
             out, usage = await task
             assert out == expected

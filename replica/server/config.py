@@ -73,6 +73,7 @@ class ServerConfig:
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
     prefix_caching: bool = True
+    wait_for_inflight_prefix: bool = True
     seed: int = 0
     log_level: str = "INFO"
 
@@ -107,6 +108,7 @@ class ServerConfig:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": self.prefix_caching,
+            "wait_for_inflight_prefix": self.wait_for_inflight_prefix,
             "scheduling_policy": self.scheduling_policy,
             "attention_backend": self.attention_backend,
             "device": self.device,
@@ -168,6 +170,9 @@ _HELP: dict[str, str] = {
     "scheduling_policy": "fcfs or priority (lower GenerateRequest.priority first)",
     "prefix_caching": "reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching "
     "is the baseline for measurements)",
+    "wait_for_inflight_prefix": "a request whose next prompt blocks another request is "
+    "prefilling right now waits for them to be cached instead of computing them again "
+    "(--no-wait-for-inflight-prefix: admit it at once)",
     "seed": "engine seed for requests that set none",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     **limits.HELP,
