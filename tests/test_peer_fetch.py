@@ -319,6 +319,26 @@ def test_cost_model_fetches_only_when_cheaper(tiny_model_dir):
     asyncio.run(go())
 
 
+def test_the_lease_prices_a_fetched_token_against_a_prefilled_one(tiny_model_dir):
+    # fetch_cost = (bytes of one token's KV / bytes per second) * prefill tokens per second:
+    # what routers weigh a prefix held elsewhere with. A replica that does not fetch has none.
+    cost = FetchCost(FetchConfig(bytes_per_s=100e6, prefill_tokens_per_s=1000))
+    assert cost.token_cost(50_000) == pytest.approx(0.5)  # 0.5 ms to fetch, 1 ms to prefill
+    cost.record_transfer(10_000_000, 10.0)  # a slower link: fetching costs more
+    assert cost.token_cost(50_000) > 0.5
+
+    async def go() -> None:
+        async with replicas(tiny_model_dir, count=1, fetch_mb_per_s=10.0) as (a,):
+            fields = a.server._load_fields()
+            per_token = a.server.fetcher.bytes_per_block / BS
+            expected = per_token / 10e6 * a.server.fetcher.cost.prefill_tokens_per_s
+            assert float(fields["fetch_cost"]) == pytest.approx(expected, rel=1e-3)
+        async with replicas(tiny_model_dir, count=1, fetch=False) as (c,):
+            assert "fetch_cost" not in c.server._load_fields()
+
+    asyncio.run(go())
+
+
 def test_unreachable_redis_is_not_asked_on_every_request(tiny_model_dir):
     from replica.server.block_service import KVLayout
     from replica.server.peer_fetch import RedisHolders
