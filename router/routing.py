@@ -148,7 +148,7 @@ class Router:
             name, epsilon=c.balance_epsilon, slack_tokens=c.balance_slack_tokens,
             tie_tokens=c.tie_tokens, prefill_weight=c.prefill_weight,
             request_epsilon=c.balance_requests_epsilon if c.balance_requests_epsilon >= 0 else None,
-            fetch_weight=c.fetch_weight if c.fetch_weight >= 0 else None,
+            fetch_weight=c.fetch_weight,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -394,6 +394,7 @@ class Router:
             inflight_tokens=max(0, handle.inflight_tokens) + other,
             queued_tokens=handle.lease.queued_tokens,
             recent_requests=self.recent.count(handle.replica_id),
+            fetch_cost=handle.lease.fetch_cost if handle.lease.fetch_cost >= 0 else None,
         )
 
     def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:

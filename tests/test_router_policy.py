@@ -7,6 +7,8 @@ import pytest
 from router.policy import (
     COLD,
     FALLBACK,
+    FETCH_AUTO,
+    FETCH_OFF,
     SPILLOVER,
     WARM,
     CacheAwarePolicy,
@@ -15,6 +17,7 @@ from router.policy import (
     RandomPolicy,
     RoundRobinPolicy,
     RouteRequest,
+    fetch_knob,
     hit_tokens,
     make_policy,
     weight,
@@ -227,3 +230,22 @@ def test_fetch_weight_prices_a_prefix_held_elsewhere_as_a_fetch() -> None:
     assert fetching.cost(request, idle, held_blocks=63) == 8 * 16 + 1008
     assert fetching.choose(request, [warm, idle]).replica_id == "idle"
     assert make_policy("cache_aware").fetch_weight is None  # off unless asked for
+
+
+def test_auto_fetch_weight_is_each_replicas_measured_fetch_cost() -> None:
+    # --fetch-weight auto (the router's default): a held-elsewhere token costs the prefill
+    # weight times the fetch_cost the replica's lease publishes (capped at a full prefill); a
+    # replica that does not fetch (no fetch_cost) pays a full prefill.
+    warm, request = cand("warm", cached=63, inflight=3000), req(1024)
+    auto = make_policy("cache_aware", epsilon=10.0, fetch_weight="auto")
+    assert isinstance(auto, CacheAwarePolicy) and auto.fetch_auto and auto.fetch_weight is None
+    fast = Candidate("fast", fetch_cost=0.125)  # fetching a token costs 1/8 of prefilling it
+    assert auto.cost(request, fast, held_blocks=63) == 8 * 16 + 1 * 1008
+    assert auto.choose(request, [warm, fast]).replica_id == "fast"
+    for slow in (Candidate("slow", fetch_cost=3.0), Candidate("no-fetch")):
+        assert auto.cost(request, slow, held_blocks=63) == 8 * 1024  # a full prefill
+        assert auto.choose(request, [warm, slow]).replica_id == "warm"
+    assert fetch_knob("off") == fetch_knob(None) == FETCH_OFF
+    assert fetch_knob("auto") == FETCH_AUTO and fetch_knob("1.5") == 1.5
+    with pytest.raises(ValueError, match="auto, off or a number"):
+        fetch_knob("-1")
