@@ -73,6 +73,7 @@ class ServerConfig:
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
     prefix_caching: bool = True
+    batch_invariant: bool = False
     seed: int = 0
     log_level: str = "INFO"
 
@@ -111,6 +112,7 @@ class ServerConfig:
             "attention_backend": self.attention_backend,
             "device": self.device,
             "seed": self.seed,
+            "batch_invariant": self.batch_invariant,
         }
         if self.num_blocks:
             kwargs["num_kv_blocks"] = self.num_blocks
@@ -168,6 +170,10 @@ _HELP: dict[str, str] = {
     "scheduling_policy": "fcfs or priority (lower GenerateRequest.priority first)",
     "prefix_caching": "reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching "
     "is the baseline for measurements)",
+    "batch_invariant": "run every matmul in tiles of at most 32 rows so a token's result does not "
+    "depend on what it is batched with: a prefix-cache hit (local or fetched from a peer) then "
+    "gives the cold run's greedy output exactly in bfloat16 too; costs prefill speed on AMX "
+    "CPUs (docs/fetch.md)",
     "seed": "engine seed for requests that set none",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     **limits.HELP,
