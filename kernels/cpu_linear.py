@@ -13,17 +13,17 @@ this CPU's oneDNN has no kernel for, such as bfloat16 without AVX-512, or a torc
 private ops) and ``linear`` then falls back to ``F.linear``, so callers never branch. Set
 ``PREFIXMESH_ONEDNN=0`` to keep every weight dense (plain ``F.linear``).
 
-**Batch invariance.** On AMX, oneDNN's bfloat16 (brgemm) matmul blocks its reduction
-differently for different row counts M, so row ``i`` of ``linear(x)`` is not always bit for bit
-row ``i`` of ``linear(x[a:b])``: at SmolLM2's shapes a few elements in 10^4 differ by one
-bfloat16 ulp once M > 32, and which M do depends on the shape and the thread count. In float32
-(every ISA) a single row takes a matrix-vector path of its own. Every call of 2 to 32 rows gives
-a row the bits a 32-row call gives it (checked at every M, the row anywhere in the tile).
-``linear(..., invariant=True)`` therefore runs a packed weight over tiles of
-:data:`INVARIANT_ROWS` rows, a lone row doubled: a token's result no longer depends on what it
-was batched with, at the price of larger matmuls being cut up (docs/benchmarks.md,
-"Batch-invariant mode"). bfloat16 without AMX (oneDNN's AVX-512 kernels, or dense ``F.linear``
-under AVX2) measured invariant as it is; the tiles are harmless there.
+**Batch invariance.** On AMX, oneDNN's bfloat16 (brgemm) matmul blocks its reduction differently for
+different row counts M, so row ``i`` of ``linear(x)`` is not always bit for bit row ``i`` of
+``linear(x[a:b])``: at SmolLM2's shapes a few elements in 10^4 differ by one bfloat16 ulp once M >
+32, and which M do depends on the shape and the thread count. In float32 (every ISA) a single row
+takes a matrix-vector path of its own. Every call of 2 to 32 rows (1 to 32 in bfloat16) gives a row
+the bits a 32-row call gives it (checked at every M, the row anywhere in the tile). ``linear(...,
+invariant=True)`` therefore runs a packed weight over tiles of :data:`INVARIANT_ROWS` rows, a lone
+float32 row doubled: a token's result no longer depends on what it was batched with, at the price of
+larger matmuls being cut up (docs/benchmarks.md, "Batch-invariant mode"). bfloat16 without AMX
+(oneDNN's AVX-512 kernels, or dense ``F.linear`` under AVX2) measured invariant as it is; the tiles
+are harmless there.
 ``tests/test_cpu_linear.py`` checks the property on every ISA the machine runs.
 """
 
@@ -88,7 +88,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def _invariant_tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     # oneDNN multiplies a lone float32 row on a matrix-vector path of its own (different bits
     # from the same row in a 2- to 32-row call); a second copy of the row keeps it on the
-    # matrix path.
-    if x.shape[0] == 1:
+    # matrix path. A lone bfloat16 row needs no copy (measured; the test checks it).
+    if x.shape[0] == 1 and x.dtype != torch.bfloat16:
         return _onednn(x.repeat(2, 1), weight, bias)[:1]
     return _onednn(x, weight, bias)
