@@ -45,6 +45,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    # Matmuls cut into fixed row tiles so a token's result does not depend on the batch or
+    # chunk it ran in (kernels/cpu_linear.py): a prefix-cache hit, local or fetched from a peer,
+    # then gives the cold run's output bit for bit in bfloat16 too. Costs prefill speed on AMX
+    # (docs/benchmarks.md, "Batch-invariant mode"), so it is off by default.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

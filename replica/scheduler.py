@@ -140,7 +140,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, seq.num_computed_tokens, budget)
+            if num_new == 0:  # batch-invariant mode: no lone prompt token (_chunk)
+                i += 1
+                continue
             while not self._reserve(seq, num_new, out):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -168,8 +171,8 @@ class Scheduler:
                     break
                 budget += freed
                 continue
-            if budget <= 0:
-                break
+            if budget <= 0 or (self.config.batch_invariant and budget < 3):
+                break  # (with 3 tokens of budget, _chunk never gives a waiting prompt 0)
             if seq.host_blocks:
                 scheduled = self._swap_in(seq, budget, out)
             else:
@@ -210,22 +213,29 @@ class Scheduler:
         """Whether ``seq``'s first block past its cached prefix is one a running sequence is
         prefilling: admitted now, it would compute that block (and likely more) again."""
         self.update_block_hashes(seq)
-        cacheable = (seq.num_tokens - 1) // self.block_size
+        cacheable = self._cacheable(seq)
         cached = len(self.bm.match_prefix(seq.block_hashes[:cacheable]))
         return cached < cacheable and seq.block_hashes[cached] in inflight
+
+    def _cacheable(self, seq: Sequence) -> int:
+        """Leading blocks of ``seq`` a prefix-cache hit may cover. Never the last token: it
+        needs logits. In batch-invariant mode not the last two: a lone new token would run in
+        the decode attention kernel, whose sums round otherwise than the prefill kernel's
+        (docs/fetch.md)."""
+        keep = 2 if self.config.batch_invariant else 1
+        return max(0, (seq.num_tokens - keep) // self.block_size)
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Reserve prefix-cache hits and new blocks for a waiting sequence, if they fit."""
         bs = self.block_size
         self.update_block_hashes(seq)
-        cacheable = (seq.num_tokens - 1) // bs  # never the last token: it needs logits
-        cached = self.bm.match_prefix(seq.block_hashes[:cacheable])
+        cached = self.bm.match_prefix(seq.block_hashes[: self._cacheable(seq)])
         num_computed = len(cached) * bs
         num_new = seq.num_tokens - num_computed
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 return None
-            num_new = budget
+            num_new = self._chunk(seq, num_computed, budget)
         needed = -(-(num_computed + num_new) // bs) - len(cached)
         if self.bm.num_free_blocks - self.bm.num_blocks_to_take(cached) < needed:
             return None
@@ -239,6 +249,21 @@ class Scheduler:
         if seq.request.num_cached_tokens < 0:
             seq.request.num_cached_tokens = num_computed
         return ScheduledSeq(seq, num_new)
+
+    def _chunk(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        """Tokens of ``seq`` to compute this step, from ``num_computed`` on, within ``budget``.
+
+        In batch-invariant mode a prompt never runs one token at a time while more of it is
+        left (a chunk of one, or one leaving one behind): a step of one new token takes the
+        decode attention kernel, whose sums round otherwise than the prefill kernel's, so the
+        token's KV would depend on how the prompt was chunked. 0: nothing this step."""
+        left = seq.num_tokens - num_computed
+        num_new = min(left, budget)
+        if not self.config.batch_invariant or left < 2 or num_new == left:
+            return num_new
+        if left - num_new == 1:
+            num_new -= 1
+        return num_new if num_new >= 2 else 0
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
         """Bring a swapped-out sequence back: new device blocks, copied in before the forward."""
