@@ -7,6 +7,8 @@ allow. A waiting sequence reuses the longest run of cached leading blocks (never
 which needs logits). When blocks run out, the lowest-priority, newest running sequence is
 preempted: by recompute (its blocks are released, full ones stay cached, and it waits again) or,
 where the device has memory of its own, by swapping its blocks out to a host pool and back in.
+With several tenants present, ``TenantShares`` (replica/tenant_share.py) orders admission by
+the tokens each tenant has been served and caps the prefill of tenants over their share.
 
 The result is a plain ``SchedulerOutput``; the model runner executes it.
 """
@@ -20,6 +22,7 @@ from prefixmesh.hashing import extend_block_hashes
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
 from replica.sequence import Sequence, SequenceStatus
+from replica.tenant_share import StepShares, TenantShares
 
 
 @dataclass(slots=True)
@@ -70,6 +73,11 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self.shares: TenantShares | None = None
+        if config.tenant_fairness:
+            budget = config.max_num_batched_tokens
+            chunk = config.tenant_prefill_chunk or max(self.block_size, budget // 4)
+            self.shares = TenantShares(chunk, config.tenant_window_s, burst=budget)
 
     def _key(self, seq: Sequence) -> tuple:
         if self.config.scheduling_policy == "priority":
@@ -78,20 +86,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue changes
     def add(self, seq: Sequence) -> None:
+        if self.shares is not None:
+            self.shares.enter(seq.request.tenant)
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._key)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one (parallel sampling)."""
+        if self.shares is not None:
+            self.shares.enter(seq.request.tenant)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence from the queues and free its blocks at once."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting}
+        if seq.status in queue:
+            queue[seq.status].remove(seq)
+            if self.shares is not None:
+                self.shares.leave(seq.request.tenant)
         seq.status = SequenceStatus.FINISHED
         self._free(seq)
 
@@ -130,14 +146,70 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        shares = None if self.shares is None else self.shares.plan(self.running + self.waiting)
         self.running.sort(key=self._key)
         planned: dict[int, ScheduledSeq] = {}  # seq_id -> plan, in batch order
+        budget = self._schedule_running(self.config.max_num_batched_tokens, shares, planned, out)
 
+        # Admit waiting sequences only when no running one had to be preempted this step.
+        while self.waiting and not out.preempted:
+            seq = self._next_waiting(shares)
+            if seq is None:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._preempt_for(seq, planned, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
+            allowed = budget if shares is None else shares.limit(seq, budget)
+            if allowed <= 0:
+                break
+            if seq.host_blocks:
+                scheduled = self._swap_in(seq, allowed, out)
+            else:
+                scheduled = self._admit(seq, allowed)
+            if scheduled is None:
+                freed = self._preempt_for(seq, planned, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            planned[seq.seq_id] = scheduled
+            budget -= scheduled.num_new_tokens
+            if shares is not None:
+                shares.take(seq, scheduled.num_new_tokens)
+
+        plans = list(planned.values())
+        if self.shares is not None:
+            for p in plans:
+                self.shares.charge(p.seq.request.tenant, p.num_new_tokens)
+        # Decodes first, contiguous: the attention backend batches them in one call.
+        out.scheduled = [p for p in plans if p.num_new_tokens == 1 and not p.seq.is_prefill]
+        out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
+        return out
+
+    def _schedule_running(
+        self,
+        budget: int,
+        shares: StepShares | None,
+        planned: dict[int, ScheduledSeq],
+        out: SchedulerOutput,
+    ) -> int:
+        """Plan running sequences in order (preempting the newest when blocks run out);
+        returns the budget left. A tenant over its share may get no prefill this step."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if shares is not None:
+                num_new = shares.limit(seq, num_new)
+                if num_new <= 0:
+                    i += 1
+                    continue
             while not self._reserve(seq, num_new, out):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -146,41 +218,27 @@ class Scheduler:
             else:
                 planned[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= num_new
+                if shares is not None:
+                    shares.take(seq, num_new)
                 i += 1
             # else ``seq`` preempted itself; the next running sequence now sits at index i.
+        return budget
 
-        # Admit waiting sequences only when no running one had to be preempted this step.
-        while self.waiting and not out.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
-                freed = self._preempt_for(self.waiting[0], planned, out)
-                if freed is None:
-                    break
-                budget += freed
+    def _next_waiting(self, shares: StepShares | None) -> Sequence | None:
+        """The waiting sequence to admit next: the queue's head, or with tenant shares the
+        first (by priority, then by tenant least served, then by arrival) whose tenant may
+        still prefill this step."""
+        if shares is None:
+            return self.waiting[0]
+        best, best_key = None, None
+        for seq in self.waiting:  # sorted by _key: the first of each tenant is its best
+            if shares.limit(seq, 1) <= 0:
                 continue
-            if budget <= 0:
-                break
-            seq = self.waiting[0]
-            if seq.host_blocks:
-                scheduled = self._swap_in(seq, budget, out)
-            else:
-                scheduled = self._admit(seq, budget)
-            if scheduled is None:
-                freed = self._preempt_for(seq, planned, out)
-                if freed is None:
-                    break
-                budget += freed
-                continue
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            planned[seq.seq_id] = scheduled
-            budget -= scheduled.num_new_tokens
-
-        plans = list(planned.values())
-        # Decodes first, contiguous: the attention backend batches them in one call.
-        out.scheduled = [p for p in plans if p.num_new_tokens == 1 and not p.seq.is_prefill]
-        out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
-        return out
+            key = (seq.priority if self.config.scheduling_policy == "priority" else 0,
+                   shares.order(seq))  # fmt: skip
+            if best_key is None or key < best_key:
+                best, best_key = seq, key
+        return best
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Reserve prefix-cache hits and new blocks for a waiting sequence, if they fit."""
@@ -268,7 +326,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
         self.stats.preemptions += 1
         out.preempted.append(seq)
-        self.add(seq)
+        self._requeue(seq)
 
     def _preempt_for(
         self, seq: Sequence, planned: dict[int, ScheduledSeq], out: SchedulerOutput
