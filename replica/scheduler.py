@@ -149,11 +149,91 @@ class Scheduler:
         shares = None if self.shares is None else self.shares.plan(self.running + self.waiting)
         self.running.sort(key=self._key)
         planned: dict[int, ScheduledSeq] = {}  # seq_id -> plan, in batch order
-        budget = self._schedule_running(self.config.max_num_batched_tokens, shares, planned, out)
-
+        budget = self.config.max_num_batched_tokens
+        deferred: list[Sequence] = []  # prefills of tenants over their share: after the head's
+        budget = self._schedule_running(budget, shares, planned, out, deferred)
         # Admit waiting sequences only when no running one had to be preempted this step.
+        if shares is None:
+            self._admit_waiting(budget, None, planned, out)
+        else:
+            budget = self._admit_waiting(budget, shares, planned, out, head_only=True)
+            budget = self._schedule_deferred(budget, shares, planned, out, deferred)
+            self._admit_waiting(budget, shares, planned, out)
+
+        plans = list(planned.values())
+        if self.shares is not None:
+            for p in plans:
+                self.shares.charge(p.seq.request.tenant, p.num_new_tokens)
+        # Decodes first, contiguous: the attention backend batches them in one call.
+        out.scheduled = [p for p in plans if p.num_new_tokens == 1 and not p.seq.is_prefill]
+        out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
+        return out
+
+    def _schedule_running(
+        self,
+        budget: int,
+        shares: StepShares | None,
+        planned: dict[int, ScheduledSeq],
+        out: SchedulerOutput,
+        deferred: list[Sequence],
+    ) -> int:
+        """Plan running sequences in order, preempting the newest when blocks run out (with
+        tenant shares, prefills of tenants over their share go to ``deferred`` instead);
+        returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if shares is not None and shares.defers(seq):
+                deferred.append(seq)
+                i += 1
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._reserve(seq, num_new, out):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                planned[seq.seq_id] = ScheduledSeq(seq, num_new)
+                budget -= num_new
+                if shares is not None:
+                    shares.take(seq, num_new)
+                i += 1
+            # else ``seq`` preempted itself; the next running sequence now sits at index i.
+        return budget
+
+    def _schedule_deferred(
+        self,
+        budget: int,
+        shares: StepShares,
+        planned: dict[int, ScheduledSeq],
+        out: SchedulerOutput,
+        deferred: list[Sequence],
+    ) -> int:
+        """Running prefills of tenants over their share, within what the shares allow; one
+        whose blocks do not fit waits (no preemption for them)."""
+        for seq in deferred:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted since
+            num_new = shares.limit(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if num_new > 0 and self._reserve(seq, num_new, out):
+                planned[seq.seq_id] = ScheduledSeq(seq, num_new)
+                budget -= num_new
+                shares.take(seq, num_new)
+        return budget
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        shares: StepShares | None,
+        planned: dict[int, ScheduledSeq],
+        out: SchedulerOutput,
+        head_only: bool = False,
+    ) -> int:
+        """Admit waiting sequences while budget, ``max_num_seqs`` and blocks allow (with the
+        priority policy, by preempting lower-priority running ones); returns the budget left."""
         while self.waiting and not out.preempted:
-            seq = self._next_waiting(shares)
+            seq = self._next_waiting(shares, head_only)
             if seq is None:
                 break
             if len(self.running) >= self.config.max_num_seqs:
@@ -182,57 +262,17 @@ class Scheduler:
             budget -= scheduled.num_new_tokens
             if shares is not None:
                 shares.take(seq, scheduled.num_new_tokens)
-
-        plans = list(planned.values())
-        if self.shares is not None:
-            for p in plans:
-                self.shares.charge(p.seq.request.tenant, p.num_new_tokens)
-        # Decodes first, contiguous: the attention backend batches them in one call.
-        out.scheduled = [p for p in plans if p.num_new_tokens == 1 and not p.seq.is_prefill]
-        out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
-        return out
-
-    def _schedule_running(
-        self,
-        budget: int,
-        shares: StepShares | None,
-        planned: dict[int, ScheduledSeq],
-        out: SchedulerOutput,
-    ) -> int:
-        """Plan running sequences in order (preempting the newest when blocks run out);
-        returns the budget left. A tenant over its share may get no prefill this step."""
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if shares is not None:
-                num_new = shares.limit(seq, num_new)
-                if num_new <= 0:
-                    i += 1
-                    continue
-            while not self._reserve(seq, num_new, out):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                planned[seq.seq_id] = ScheduledSeq(seq, num_new)
-                budget -= num_new
-                if shares is not None:
-                    shares.take(seq, num_new)
-                i += 1
-            # else ``seq`` preempted itself; the next running sequence now sits at index i.
         return budget
 
-    def _next_waiting(self, shares: StepShares | None) -> Sequence | None:
+    def _next_waiting(self, shares: StepShares | None, head_only: bool) -> Sequence | None:
         """The waiting sequence to admit next: the queue's head, or with tenant shares the
         first (by priority, then by tenant least served, then by arrival) whose tenant may
-        still prefill this step."""
+        still prefill this step (``head_only``: of the head tenant)."""
         if shares is None:
             return self.waiting[0]
         best, best_key = None, None
         for seq in self.waiting:  # sorted by _key: the first of each tenant is its best
-            if shares.limit(seq, 1) <= 0:
+            if (head_only and seq.request.tenant != shares.head) or shares.limit(seq, 1) <= 0:
                 continue
             key = (seq.priority if self.config.scheduling_policy == "priority" else 0,
                    shares.order(seq))  # fmt: skip

@@ -10,12 +10,14 @@ most one step of credit.
 While more than one tenant is *present* (has work, or had some in the last ``window_s``
 seconds), the present tenant with the lowest counter (ties: the one with less prompt left to
 prefill) is the head: its prefill is bounded only by the step's token budget. Every other tenant
-is over its share, and together they get at most ``prefill_chunk`` prefill tokens per step.
-Waiting requests are admitted head first. Decodes are never held back.
+is over its share: together they get at most ``prefill_chunk`` prefill tokens per step, and
+none in a step that carries the head's prefill. Waiting requests are admitted head first.
+Decodes are never held back.
 
 Why a cap and not only an order: a step cannot be interrupted, so a light tenant's first token
 also waits for the step in flight when its request arrives. Short steps for the heavy tenant
-bound that wait; its decodes and the light tenant's whole prompt still go in every step.
+bound that wait, and the step that carries the light tenant's prompt carries no other
+tenant's prefill.
 """
 
 from __future__ import annotations
@@ -29,22 +31,30 @@ from replica.sequence import Sequence
 
 @dataclass(slots=True)
 class StepShares:
-    """One step's prefill allowance: the head tenant's is the budget, the others share
-    ``chunk_left`` tokens. ``rank`` orders tenants, least served first."""
+    """One step's prefill allowance: the head tenant's is the budget; the others share
+    ``chunk_left`` tokens, and get none once the head's prefill is in the step. ``rank``
+    orders tenants, least served first."""
 
     head: str
     rank: dict[str, int]
     chunk_left: int
+    head_prefill: bool = False  # the head tenant has prefill tokens in this step
+
+    def defers(self, seq: Sequence) -> bool:
+        """A prefill that waits until the head tenant's work is planned."""
+        return seq.is_prefill and seq.request.tenant != self.head
 
     def limit(self, seq: Sequence, num_new: int) -> int:
         """How many of ``num_new`` tokens ``seq`` may compute this step."""
-        if seq.request.tenant == self.head or not seq.is_prefill:
+        if not self.defers(seq):
             return num_new
-        return min(num_new, self.chunk_left)
+        return 0 if self.head_prefill else min(num_new, self.chunk_left)
 
     def take(self, seq: Sequence, num_new: int) -> None:
-        if seq.request.tenant != self.head and seq.is_prefill:
+        if self.defers(seq):
             self.chunk_left -= num_new
+        elif seq.is_prefill:
+            self.head_prefill = True
 
     def order(self, seq: Sequence) -> int:
         return self.rank.get(seq.request.tenant, len(self.rank))
