@@ -210,13 +210,21 @@ class Scheduler:
         out: SchedulerOutput,
         deferred: list[Sequence],
     ) -> int:
-        """Running prefills of tenants over their share, within what the shares allow; one
-        whose blocks do not fit waits (no preemption for them)."""
+        """Running prefills of tenants over their share, oldest first, within what the shares
+        allow; when blocks run out, the newest running sequence not planned yet is preempted
+        (as in ``_schedule_running``, so the oldest always makes progress)."""
         for seq in deferred:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted since
             num_new = shares.limit(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-            if num_new > 0 and self._reserve(seq, num_new, out):
+            if num_new <= 0:
+                continue
+            while not self._reserve(seq, num_new, out):
+                idle = [s for s in self.running if s.seq_id not in planned and s is not seq]
+                if not idle:
+                    break
+                self._preempt(max(idle, key=self._key), out)
+            else:
                 planned[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= num_new
                 shares.take(seq, num_new)
