@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -158,6 +159,24 @@ async def measure(router: str, args: argparse.Namespace, flood: bool, seed: int)
     )  # fmt: skip
 
 
+def _raise_control_plane(cluster: UpCluster) -> list[str]:
+    """Under ``chrt -f``: Redis and the router one real-time priority above the replica (every
+    thread). Every child inherits SCHED_FIFO, and a replica's forward keeps its core until it
+    blocks, so the light processes on each request's path waited behind it, as did anything
+    else on a shared machine running at the same priority: Redis timed out and requests stalled
+    for seconds (loadtest/sglang_side_by_side.py does the same)."""
+    if os.sched_getscheduler(0) != os.SCHED_FIFO:
+        return []
+    param = os.sched_param(os.sched_getparam(0).sched_priority + 1)
+    raised = []
+    for name in ("redis", "router"):
+        pid = cluster.pid(name)
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setscheduler(int(tid), os.SCHED_FIFO, param)
+        raised.append(name)
+    return raised
+
+
 def _rejections(http_port: int) -> list[str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
@@ -231,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
           f"concurrent {args.tenant_max_concurrent}, queued tokens "
           f"{args.tenant_max_queued_tokens} ...", flush=True)  # fmt: skip
     cluster.start()
+    if raised := _raise_control_plane(cluster):
+        print(f"{' and '.join(raised)}: real-time priority {os.sched_getparam(0).sched_priority + 1}"
+              " (the replica's forward no longer holds them back)", flush=True)  # fmt: skip
     alones: list[Phase] = []
     crowds: list[Phase] = []
     try:
