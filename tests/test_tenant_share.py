@@ -226,3 +226,32 @@ def test_fair_scheduling_never_changes_greedy_output(tiny_model_dir, priority):
         outputs.append(got)
     assert outputs[0] == outputs[1]
     assert len(outputs[0]) == len(prompts)
+
+
+def test_the_head_is_the_least_served_tenant_whatever_its_name():
+    h = Harness()
+    for _ in range(4):
+        h.add("aaa", 384, max_tokens=32)
+    for _ in range(3):
+        h.step()
+    h.add("zzz", 64)
+    plan = h.step()
+    assert ("zzz4", 64) in plan
+    assert prefill_tokens(plan, "aaa") == 0
+
+
+def test_two_heavy_tenants_take_turns_and_stay_within_a_step_of_each_other():
+    h = Harness()
+    for _ in range(6):
+        h.add("aaa", 300, max_tokens=4)
+        h.add("bbb", 300, max_tokens=4)
+    shares = h.sched.shares
+    heads = []
+    for _ in range(40):
+        h.clock.now += 0.05
+        plan = h.step()
+        a, b = prefill_tokens(plan, "aaa"), prefill_tokens(plan, "bbb")
+        if a or b:
+            heads.append("a" if a > b else "b")
+        assert abs(shares.served["aaa"] - shares.served["bbb"]) <= 2 * 256
+    assert heads.count("a") >= 5 and heads.count("b") >= 5
