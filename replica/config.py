@@ -36,6 +36,13 @@ class EngineConfig:
     # running request waits for them to land in the prefix cache instead of computing them
     # again (SGLang deprioritizes such requests the same way). See Scheduler.schedule.
     wait_for_inflight_prefix: bool = True
+    # Fair shares of each step across tenants (replica/tenant_share.py); with one tenant the
+    # schedule is exactly FCFS / priority's. ``tenant_prefill_chunk``: prefill tokens per step
+    # the tenants over their share get between them while another is present (0: a quarter
+    # of ``max_num_batched_tokens``); present = had work in the last ``tenant_window_s``.
+    tenant_fairness: bool = True
+    tenant_prefill_chunk: int = 0
+    tenant_window_s: float = 10.0
     # How a preempted sequence gives its blocks back: "recompute" drops them (full ones stay in
     # the prefix cache), "swap" copies them to a host pool of ``swap_space_gb`` and back.
     # "auto" swaps where the device has memory of its own (CUDA) and recomputes on CPU.
@@ -63,6 +70,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens must be >= block_size (got {self.max_num_batched_tokens})"
+            )
+        if self.tenant_prefill_chunk < 0 or self.tenant_window_s < 0:
+            raise ValueError(
+                "tenant_prefill_chunk and tenant_window_s must be >= 0 "
+                f"(got {self.tenant_prefill_chunk}, {self.tenant_window_s})"
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(

@@ -17,6 +17,7 @@ import torch
 
 from kernels.cpu_flags import cpu_flags
 from prefixmesh.hashing import BlockHash
+from prefixmesh.tenants import DEFAULT_TENANT
 from prefixmesh.tokenizer import Tokenizer
 from replica.allocator import keep_freed_memory
 from replica.block_manager import BlockManager, HostBlockPool, NoFreeBlocksError
@@ -160,7 +161,7 @@ class LLMEngine:
         r = request
         self.add_request(
             r.request_id, r.prompt, r.params, priority=r.priority, cache_salt=r.cache_salt,
-            arrival_time=r.arrival_time, unsent_text=r.unsent_text,
+            arrival_time=r.arrival_time, unsent_text=r.unsent_text, tenant=r.tenant,
         )  # fmt: skip
 
     def add_request(
@@ -173,12 +174,15 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         unsent_text: str = "",
+        tenant: str | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` naming the bad field.
 
         ``unsent_text`` is text of the prompt's tail that the client has not received yet
         (tokens an earlier replica generated, whose text it held back for a possible stop
         string): it comes first in the first output, through the stop-string matcher.
+        ``tenant`` is whom fair scheduling charges it to (default: ``cache_salt``, else
+        ``default``).
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -213,6 +217,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt or None,
+            tenant=tenant or cache_salt or DEFAULT_TENANT,
             unsent_text=unsent_text,
         )
         seq = self._new_sequence(request, 0, list(token_ids), len(token_ids))

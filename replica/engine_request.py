@@ -15,7 +15,8 @@ class EngineRequest:
     ``unsent_text`` is text of the prompt's tail the client has not received yet (tokens an
     earlier replica generated, held back there for a possible stop string): it leads the first
     output, through the stop-string matcher. ``arrival_time`` is monotonic seconds (None: when
-    the engine takes the request).
+    the engine takes the request). ``tenant`` is whom fair scheduling charges the request to
+    (prefixmesh/tenants.py's ``tenant_of``; None: its ``cache_salt``, else ``default``).
     """
 
     request_id: str
@@ -25,3 +26,4 @@ class EngineRequest:
     cache_salt: str | None = None
     arrival_time: float | None = None
     unsent_text: str = ""
+    tenant: str | None = None

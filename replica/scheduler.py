@@ -6,9 +6,12 @@ then waiting sequences are admitted while the token budget, ``max_num_seqs`` and
 allow. A waiting sequence reuses the longest run of cached leading blocks (never its last token,
 which needs logits); one whose next uncached blocks a running sequence is prefilling right now
 (a burst of requests sharing a prompt prefix) waits until they are cached, instead of computing
-the same blocks a second time, while the sequences behind it go ahead. When blocks run out, the lowest-priority, newest running sequence is
+the same blocks a second time, while the sequences behind it go ahead. When blocks run out, the
+lowest-priority, newest running sequence is
 preempted: by recompute (its blocks are released, full ones stay cached, and it waits again) or,
 where the device has memory of its own, by swapping its blocks out to a host pool and back in.
+With several tenants present, ``TenantShares`` (replica/tenant_share.py) orders admission by
+the tokens each tenant has been served and caps the prefill of tenants over their share.
 
 The result is a plain ``SchedulerOutput``; the model runner executes it.
 """
@@ -22,6 +25,7 @@ from prefixmesh.hashing import extend_block_hashes
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
 from replica.sequence import Sequence, SequenceStatus
+from replica.tenant_share import StepShares, TenantShares
 
 
 @dataclass(slots=True)
@@ -73,6 +77,11 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self.shares: TenantShares | None = None
+        if config.tenant_fairness:
+            budget = config.max_num_batched_tokens
+            chunk = config.tenant_prefill_chunk or max(self.block_size, budget // 4)
+            self.shares = TenantShares(chunk, config.tenant_window_s, burst=budget)
 
     def _key(self, seq: Sequence) -> tuple:
         if self.config.scheduling_policy == "priority":
@@ -81,20 +90,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue changes
     def add(self, seq: Sequence) -> None:
+        if self.shares is not None:
+            self.shares.enter(seq.request.tenant)
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._key)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one (parallel sampling)."""
+        if self.shares is not None:
+            self.shares.enter(seq.request.tenant)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence from the queues and free its blocks at once."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting}
+        if seq.status in queue:
+            queue[seq.status].remove(seq)
+            if self.shares is not None:
+                self.shares.leave(seq.request.tenant)
         seq.status = SequenceStatus.FINISHED
         self._free(seq)
 
@@ -133,13 +150,54 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        shares = None if self.shares is None else self.shares.plan(self.running + self.waiting)
         self.running.sort(key=self._key)
         planned: dict[int, ScheduledSeq] = {}  # seq_id -> plan, in batch order
+        budget = self.config.max_num_batched_tokens
+        deferred: list[Sequence] = []  # prefills of tenants over their share: after the head's
+        budget = self._schedule_running(budget, shares, planned, out, deferred)
+        # Prompt blocks running sequences are prefilling: a waiting sequence that needs them
+        # next sits this step out (its id goes to ``waits``) rather than compute them again.
+        inflight = self._inflight_blocks(self.running)
+        waits: set[int] = set()
+        # Admit waiting sequences only when no running one had to be preempted this step.
+        if shares is None:
+            self._admit_waiting(budget, None, planned, out, inflight, waits)
+        else:
+            budget = self._admit_waiting(
+                budget, shares, planned, out, inflight, waits, head_only=True
+            )
+            budget = self._schedule_deferred(budget, shares, planned, out, deferred)
+            self._admit_waiting(budget, shares, planned, out, inflight, waits)
+        self.stats.inflight_prefix_waits += len(waits)
 
+        plans = list(planned.values())
+        if self.shares is not None:
+            for p in plans:
+                self.shares.charge(p.seq.request.tenant, p.num_new_tokens)
+        # Decodes first, contiguous: the attention backend batches them in one call.
+        out.scheduled = [p for p in plans if p.num_new_tokens == 1 and not p.seq.is_prefill]
+        out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
+        return out
+
+    def _schedule_running(
+        self,
+        budget: int,
+        shares: StepShares | None,
+        planned: dict[int, ScheduledSeq],
+        out: SchedulerOutput,
+        deferred: list[Sequence],
+    ) -> int:
+        """Plan running sequences in order, preempting the newest when blocks run out (with
+        tenant shares, prefills of tenants over their share go to ``deferred`` instead);
+        returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if shares is not None and shares.defers(seq):
+                deferred.append(seq)
+                i += 1
+                continue
             num_new = self._chunk(seq, seq.num_computed_tokens, budget)
             if num_new == 0:  # batch-invariant mode: no lone prompt token (_chunk)
                 i += 1
@@ -152,18 +210,61 @@ class Scheduler:
             else:
                 planned[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= num_new
+                if shares is not None:
+                    shares.take(seq, num_new)
                 i += 1
             # else ``seq`` preempted itself; the next running sequence now sits at index i.
+        return budget
 
-        # Admit waiting sequences only when no running one had to be preempted this step.
+    def _schedule_deferred(
+        self,
+        budget: int,
+        shares: StepShares,
+        planned: dict[int, ScheduledSeq],
+        out: SchedulerOutput,
+        deferred: list[Sequence],
+    ) -> int:
+        """Running prefills of tenants over their share, oldest first, within what the shares
+        allow; when blocks run out, the newest running sequence not planned yet is preempted
+        (as in ``_schedule_running``, so the oldest always makes progress)."""
+        for seq in deferred:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted since
+            num_new = self._chunk(seq, seq.num_computed_tokens, shares.limit(seq, budget))
+            if num_new <= 0:
+                continue
+            while not self._reserve(seq, num_new, out):
+                idle = [s for s in self.running if s.seq_id not in planned and s is not seq]
+                if not idle:
+                    break
+                self._preempt(max(idle, key=self._key), out)
+            else:
+                planned[seq.seq_id] = ScheduledSeq(seq, num_new)
+                budget -= num_new
+                shares.take(seq, num_new)
+        return budget
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        shares: StepShares | None,
+        planned: dict[int, ScheduledSeq],
+        out: SchedulerOutput,
+        inflight: set,
+        waits: set[int],
+        head_only: bool = False,
+    ) -> int:
+        """Admit waiting sequences while budget, ``max_num_seqs`` and blocks allow (with the
+        priority policy, by preempting lower-priority running ones); returns the budget left.
+        A sequence whose next prompt block is in ``inflight`` joins ``waits`` instead, and each
+        admitted prefill adds its own blocks to ``inflight``."""
         wait = self.config.wait_for_inflight_prefix
-        inflight = self._inflight_blocks(self.running) if wait else set()
-        w = 0  # waiting[:w] sit this step out: their prefix is being computed
-        while w < len(self.waiting) and not out.preempted:
-            seq = self.waiting[w]
-            if inflight and not seq.host_blocks and self._prefix_in_flight(seq, inflight):
-                self.stats.inflight_prefix_waits += 1
-                w += 1
+        while self.waiting and not out.preempted:
+            seq = self._next_waiting(shares, head_only, waits)
+            if seq is None:
+                break
+            if wait and inflight and not seq.host_blocks and self._prefix_in_flight(seq, inflight):
+                waits.add(seq.seq_id)
                 continue
             if len(self.running) >= self.config.max_num_seqs:
                 freed = self._preempt_for(seq, planned, out)
@@ -171,31 +272,50 @@ class Scheduler:
                     break
                 budget += freed
                 continue
-            if budget <= 0 or (self.config.batch_invariant and budget < 3):
+            allowed = budget if shares is None else shares.limit(seq, budget)
+            if allowed <= 0 or (self.config.batch_invariant and allowed < 3):
                 break  # (with 3 tokens of budget, _chunk never gives a waiting prompt 0)
             if seq.host_blocks:
-                scheduled = self._swap_in(seq, budget, out)
+                scheduled = self._swap_in(seq, allowed, out)
             else:
-                scheduled = self._admit(seq, budget)
+                scheduled = self._admit(seq, allowed)
             if scheduled is None:
                 freed = self._preempt_for(seq, planned, out)
                 if freed is None:
                     break
                 budget += freed
                 continue
-            self.waiting.pop(w)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             planned[seq.seq_id] = scheduled
             budget -= scheduled.num_new_tokens
+            if shares is not None:
+                shares.take(seq, scheduled.num_new_tokens)
             if wait:
                 inflight |= self._inflight_blocks([seq])
+        return budget
 
-        plans = list(planned.values())
-        # Decodes first, contiguous: the attention backend batches them in one call.
-        out.scheduled = [p for p in plans if p.num_new_tokens == 1 and not p.seq.is_prefill]
-        out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
-        return out
+    def _next_waiting(
+        self, shares: StepShares | None, head_only: bool, waits: set[int]
+    ) -> Sequence | None:
+        """The waiting sequence to admit next, passing over those in ``waits``: the queue's
+        head, or with tenant shares the first (by priority, then by tenant least served, then
+        by arrival) whose tenant may still prefill this step (``head_only``: of the head
+        tenant)."""
+        if shares is None:
+            return next((seq for seq in self.waiting if seq.seq_id not in waits), None)
+        best, best_key = None, None
+        for seq in self.waiting:  # sorted by _key: the first of each tenant is its best
+            if seq.seq_id in waits:
+                continue
+            if (head_only and seq.request.tenant != shares.head) or shares.limit(seq, 1) <= 0:
+                continue
+            key = (seq.priority if self.config.scheduling_policy == "priority" else 0,
+                   shares.order(seq))  # fmt: skip
+            if best_key is None or key < best_key:
+                best, best_key = seq, key
+        return best
 
     def _inflight_blocks(self, seqs: list[Sequence]) -> set:
         """Hashes of the prompt blocks these running sequences are prefilling and have not
@@ -325,7 +445,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
         self.stats.preemptions += 1
         out.preempted.append(seq)
-        self.add(seq)
+        self._requeue(seq)
 
     def _preempt_for(
         self, seq: Sequence, planned: dict[int, ScheduledSeq], out: SchedulerOutput

@@ -26,6 +26,9 @@ class Request:
     priority: int
     arrival_time: float
     cache_salt: str | None
+    # Whom the request's work is charged to for fair scheduling (replica/tenant_share.py):
+    # the server's tenant (prefixmesh/tenants.py), else the cache_salt, else "default".
+    tenant: str = "default"
     # Text of the prompt's tail (tokens resumed from an earlier replica) the client has not
     # received: streamed with the first output, through stop-string matching.
     unsent_text: str = ""

@@ -72,6 +72,9 @@ class ServerConfig:
     attention_backend: str = "auto"
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
+    tenant_fairness: bool = True  # replica/tenant_share.py
+    tenant_prefill_chunk: int = 0
+    tenant_window_s: float = 10.0
     prefix_caching: bool = True
     wait_for_inflight_prefix: bool = True
     batch_invariant: bool = False
@@ -111,6 +114,9 @@ class ServerConfig:
             "enable_prefix_caching": self.prefix_caching,
             "wait_for_inflight_prefix": self.wait_for_inflight_prefix,
             "scheduling_policy": self.scheduling_policy,
+            "tenant_fairness": self.tenant_fairness,
+            "tenant_prefill_chunk": self.tenant_prefill_chunk,
+            "tenant_window_s": self.tenant_window_s,
             "attention_backend": self.attention_backend,
             "device": self.device,
             "seed": self.seed,
@@ -170,6 +176,14 @@ _HELP: dict[str, str] = {
     "attention_backend": "attention kernels: auto, torch or triton",
     "device": "torch device: cpu or cuda",
     "scheduling_policy": "fcfs or priority (lower GenerateRequest.priority first)",
+    "tenant_fairness": "share each engine step fairly across tenants (cache_salt, else API "
+    "key): the least-served tenant's prefill first, the others' prefill capped per step while "
+    "more than one is present (--no-tenant-fairness: FCFS / priority only); one tenant: no "
+    "effect",
+    "tenant_prefill_chunk": "prefill tokens per step the tenants over their fair share get "
+    "between them while another tenant is present (0 = a quarter of --max-num-batched-tokens); "
+    "smaller: a light tenant's first token waits less behind a heavy tenant's step",
+    "tenant_window_s": "seconds a tenant counts as present after its last request",
     "prefix_caching": "reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching "
     "is the baseline for measurements)",
     "wait_for_inflight_prefix": "a request whose next prompt blocks another request is "

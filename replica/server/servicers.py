@@ -103,7 +103,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 f"waiting queue is full ({admission.max_queue} requests); retry elsewhere",
                 self.limits.retry_after_s,
             )
-        ticket = await self._tenant_ticket(request, req, context)
+        tenant = tenant_of_call(request.cache_salt, context)
+        req.engine.tenant = tenant  # whom fair scheduling charges (replica/tenant_share.py)
+        ticket = await self._tenant_ticket(tenant, req, context)
         client_id = request.request_id or uuid.uuid4().hex
         admission.enter()
         waiting, handle, done = True, None, False
@@ -142,14 +144,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             log.exception("fetch from a peer failed; prefilling instead")
             return 0
 
-    async def _tenant_ticket(
-        self, request: pb.GenerateRequest, req: MappedRequest, context: Ctx
-    ) -> Ticket | None:
+    async def _tenant_ticket(self, tenant: str, req: MappedRequest, context: Ctx) -> Ticket | None:
         """The tenant's admission (None without tenant caps); over its cap: RESOURCE_EXHAUSTED."""
         if self.tenants is None:
             return None
         try:
-            ticket = self.tenants.admit(tenant_of_call(request.cache_salt, context))
+            ticket = self.tenants.admit(tenant)
             ticket.queue_tokens(len(req.prompt_token_ids))
         except TenantBusy as exc:
             await abort_busy(context, str(exc), self.limits.retry_after_s)
