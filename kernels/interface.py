@@ -67,6 +67,12 @@ class AttentionBackend(ABC):
     ) -> None:
         """Store the new tokens' keys and values into their cache slots."""
 
+    @property
+    def wants_new_kv(self) -> bool:
+        """Whether this step's ``attend`` reads the views ``kv_written`` hands over (known
+        after ``prepare``); when not, a caller that wrote the cache itself may skip making them."""
+        return True
+
     def kv_written(self, key: torch.Tensor, value: torch.Tensor) -> None:  # noqa: B027
         """The caller wrote this step's new keys and values into the cache itself (a fused
         kernel did it with RoPE); ``key``/``value`` are ``[T, num_kv_heads, head_dim]`` views

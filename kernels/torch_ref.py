@@ -140,6 +140,15 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
+    @property
+    def wants_new_kv(self) -> bool:
+        # Only a plain prefill on the SDPA path reads them (``attend``); the kernels read the
+        # cache. A stale pair from an earlier step must never be read: dropped here.
+        wants = any(plan.mask is None for plan in self._prefills)
+        if not wants:
+            self._new_kv = None
+        return wants
+
     def kv_written(self, key, value) -> None:
         self._new_kv = (key, value)
 
