@@ -9,7 +9,10 @@ RESOURCE_EXHAUSTED (HTTP 429) and a retry-after hint, and counted in
 ``prefixmesh_tenant_rejections_total{tenant, reason}``. 0 turns a cap off (the default: a
 single-tenant cluster needs none). Replicas and routers both enforce them.
 
-Tenant names in metrics are fingerprints (``salt:1a2b3c4d5e6f``), never the salt or key.
+Tenant names in metrics are fingerprints (``salt:1a2b3c4d5e6f``), never the salt or key. A
+router passes the tenant it counted a request against to the replica (``TENANT_METADATA``), so
+the replica's caps and its fair step shares (replica/tenant_share.py) see API-key tenants
+behind the router, not the router's own key.
 """
 
 from __future__ import annotations
@@ -58,9 +61,22 @@ def tenant_of(cache_salt: str, authorization: str | None = None) -> str:
     return DEFAULT_TENANT
 
 
-def tenant_of_call(cache_salt: str, context: Any) -> str:
-    """``tenant_of`` for a gRPC call (reads the ``authorization`` metadata)."""
+# The tenant a router counted a request against, passed on to the replica it forwards it to:
+# behind a router, every call reaches the replica with the router's own API key, so a replica
+# could tell API-key tenants apart only by this (cache_salt tenants it sees either way).
+TENANT_METADATA = "x-prefixmesh-tenant"
+MAX_TENANT_CHARS = 64
+
+
+def tenant_of_call(cache_salt: str, context: Any, forwarded: bool = False) -> str:
+    """``tenant_of`` for a gRPC call (reads the ``authorization`` metadata). With
+    ``forwarded`` (a replica), a tenant a router named in ``TENANT_METADATA`` wins: callers
+    that reach a replica hold its API key, and a salt is the caller's to choose anyway."""
     metadata = dict(context.invocation_metadata() or ())
+    if forwarded:
+        named = metadata.get(TENANT_METADATA)
+        if named and len(named) <= MAX_TENANT_CHARS:
+            return named
     return tenant_of(cache_salt, metadata.get("authorization"))
 
 

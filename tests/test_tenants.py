@@ -13,7 +13,14 @@ import pytest
 from mini_cluster import MiniCluster, start_mini_cluster
 from prometheus_client import CollectorRegistry, generate_latest
 
-from prefixmesh.tenants import DEFAULT_TENANT, TenantBusy, TenantLimiter, TenantLimits, tenant_of
+from prefixmesh.tenants import (
+    DEFAULT_TENANT,
+    TenantBusy,
+    TenantLimiter,
+    TenantLimits,
+    tenant_of,
+    tenant_of_call,
+)
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -26,6 +33,28 @@ def test_tenant_names_are_fingerprints():
     assert salt.startswith("salt:") and "acme" not in salt
     assert tenant_of("", "Bearer sk-1") == tenant_of("", "Bearer  sk-1 ") != tenant_of("", "x")
     assert tenant_of("s", "Bearer k") == tenant_of("s")  # the salt wins
+
+
+class _Call:
+    def __init__(self, *metadata: tuple[str, str]) -> None:
+        self._metadata = metadata
+
+    def invocation_metadata(self):
+        return self._metadata
+
+
+def test_a_replica_charges_the_tenant_its_router_names():
+    # Behind a router every call carries the router's key: the router names the tenant it
+    # counted (its client's salt or key fingerprint) and the replica charges that one.
+    router_key = ("authorization", "Bearer router-key")
+    named = ("x-prefixmesh-tenant", tenant_of("", "Bearer client-1"))
+    assert tenant_of_call("", _Call(router_key, named), forwarded=True) == named[1]
+    assert tenant_of_call("", _Call(router_key), forwarded=True) == tenant_of("", router_key[1])
+    # A router itself (forwarded=False) never takes a client's word for it, and an oversized
+    # name is ignored.
+    assert tenant_of_call("", _Call(router_key, named)) == tenant_of("", router_key[1])
+    huge = ("x-prefixmesh-tenant", "x" * 65)
+    assert tenant_of_call("s", _Call(router_key, huge), forwarded=True) == tenant_of("s")
 
 
 def test_limiter_caps_concurrency_and_queued_tokens_and_counts_rejections():

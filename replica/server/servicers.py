@@ -103,7 +103,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 f"waiting queue is full ({admission.max_queue} requests); retry elsewhere",
                 self.limits.retry_after_s,
             )
-        tenant = tenant_of_call(request.cache_salt, context)
+        tenant = tenant_of_call(request.cache_salt, context, forwarded=True)
         req.engine.tenant = tenant  # whom fair scheduling charges (replica/tenant_share.py)
         ticket = await self._tenant_ticket(tenant, req, context)
         client_id = request.request_id or uuid.uuid4().hex
