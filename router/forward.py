@@ -304,7 +304,7 @@ class Forwarder:
                 for kind, n in self.router.attribution.settle(
                     plan.misses, resp.usage.cached_tokens
                 ).items():
-                    self.metrics.prompt_blocks.labels(kind).inc(n)
+                    self.metrics.blocks_by_kind[kind].inc(n)
                 plan.misses = None
         return resp
 
