@@ -47,15 +47,14 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
 WARM, SPILLOVER, COLD, FALLBACK = "warm", "spillover", "cold", "fallback"
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
+class RouteRequest(NamedTuple):
     """What a policy knows about a request (``prompt_tokens == 0``: not tokenized)."""
 
     prompt_tokens: int
@@ -65,8 +64,7 @@ class RouteRequest:
     affinity: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One live replica as the policy sees it."""
 
     replica_id: str
@@ -85,8 +83,7 @@ class Candidate:
         return max(self.cached_blocks, self.predicted_blocks)
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """The chosen replica, why, and what the router expects from it."""
 
     replica_id: str

@@ -26,16 +26,19 @@ class PromptTokens:
     hashes_by_group: dict[GROUP_KEY, list[BlockHash]] = field(default_factory=dict)
 
 
-def tokenize(request: pb.GenerateRequest, view: ReplicaView) -> PromptTokens:
+def tokenize(
+    request: pb.GenerateRequest, view: ReplicaView, token_ids: list[int] | None = None
+) -> PromptTokens:
     """Prompt token ids (as replicas compute them) and the block hashes of prompt + resume
-    tokens, per model group."""
+    tokens, per model group. ``token_ids``: the request's ``token_ids.ids`` already read into
+    a list, if the caller has it (shared by every group, never modified)."""
     out = PromptTokens()
     kind = request.WhichOneof("input")
     for group in set(view.tokenizers) | set(view.model_ids):
         tokenizer = view.tokenizers.get(group)
         try:
             if kind == "token_ids":
-                ids = list(request.token_ids.ids)
+                ids = request.token_ids.ids[:] if token_ids is None else token_ids
             elif tokenizer is None:
                 continue
             elif kind == "text":
@@ -53,12 +56,12 @@ def tokenize(request: pb.GenerateRequest, view: ReplicaView) -> PromptTokens:
         except ValueError:
             continue  # the replica will reject it with a precise INVALID_ARGUMENT
         out.ids_by_group[group] = ids
-    resume = list(request.resume_token_ids)
+    resume = request.resume_token_ids[:]
     for group, ids in out.ids_by_group.items():
         model_id = view.model_ids.get(group)
         if model_id is not None:
             out.hashes_by_group[group] = block_hashes(
-                ids + resume, group[1], model_id, request.cache_salt or None
+                ids + resume if resume else ids, group[1], model_id, request.cache_salt or None
             )
     return out
 
