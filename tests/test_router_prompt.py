@@ -69,3 +69,28 @@ def test_without_a_tokenizer_only_token_ids_are_routable() -> None:
     assert tokenize(pb.GenerateRequest(text="hello"), view).ids_by_group == {}
     ids = tokenize(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, 4])), view)
     assert ids.hashes_by_group[GROUP] == block_hashes([1, 2, 3, 4], 4, GROUP[0])
+
+
+def test_token_ids_read_by_the_caller_give_the_same_prompt_and_hashes() -> None:
+    """The forwarder reads a request's token ids once and passes them along: the same ids and
+    hashes as reading them here, with or without resume tokens and salt; the bounds check on
+    them (negative ids) is the same too."""
+    from prefixmesh.limits import RequestLimits, check_request
+
+    view = view_with(None)
+    for resume, salt in (([], ""), ([7, 8, 9, 10, 11], "tenant-a")):
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=list(range(3, 40))), resume_token_ids=resume, cache_salt=salt
+        )
+        ids = request.token_ids.ids[:]
+        passed, read = tokenize(request, view, ids), tokenize(request, view)
+        assert passed.ids_by_group == read.ids_by_group and passed.ids_by_group[GROUP] == ids
+        assert passed.hashes_by_group == read.hashes_by_group
+        assert passed.hashes_by_group[GROUP] == block_hashes(
+            ids + resume, GROUP[1], GROUP[0], salt or None
+        )
+        check_request(request, RequestLimits(), token_ids=ids)
+    bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, -2, 3]))
+    for token_ids in (None, bad.token_ids.ids[:]):
+        with pytest.raises(ValueError, match=r"token_ids.ids\[1\] must be a token id >= 0"):
+            check_request(bad, RequestLimits(), token_ids=token_ids)

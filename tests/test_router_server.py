@@ -581,3 +581,34 @@ def test_request_sent_past_the_holder_names_it_as_fetch_hint(redis_server: str) 
             assert all(r.received[-1].fetch_hint.address != bogus.address for r in c.replicas)
 
     asyncio.run(scenario())
+
+
+def test_bookkeeping_waits_for_account_and_runs_once(redis_server: str) -> None:
+    """route(defer_bookkeeping=True) commits what the next decision reads at once (load,
+    predicted blocks, recent requests) and leaves metrics and miss attribution to account(),
+    which the forwarder runs behind the upstream send; through the server nothing is lost."""
+
+    async def scenario() -> None:
+        async with cluster(redis_server, map_source="mirror") as c:
+            r = c.router.router
+            prefix = list(range(100, 132))  # 8 blocks of 4
+            responses = await c.generate(prefix + [1])
+            assert responses[-1].finish_reason == "length"
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.routing.requests == 1 and r.metrics.window.requests == 1
+            assert state.routing.misses["cacheable"] == 8  # settled before the stream ended
+
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prefix + [2]), sampling=pb.SamplingParams(max_tokens=1)
+            )
+            plan = await r.route(request, defer_bookkeeping=True)
+            assert plan.handle.inflight_requests == 1 and len(r.recent) == 2
+            assert r.metrics.window.requests == 1 and plan.misses is None
+            r.account(plan)
+            r.account(plan)  # a no-op the second time
+            assert r.metrics.window.requests == 2 and plan.misses is not None
+            assert plan.misses.seen_blocks == 8
+            plan.release()
+            assert plan.handle.inflight_requests == 0
+
+    asyncio.run(scenario())
