@@ -612,3 +612,22 @@ def test_bookkeeping_waits_for_account_and_runs_once(redis_server: str) -> None:
             assert plan.handle.inflight_requests == 0
 
     asyncio.run(scenario())
+
+
+def test_router_bench_runs_a_baseline_checkout_in_the_same_rotation(tmp_path: Path) -> None:
+    """``python -m router.bench --baseline DIR`` (here: this checkout against itself) reports
+    the baseline router's overhead and histograms beside the router under test."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.bench", "--map-source", "mirror", "--requests", "5",
+         "--seconds", "0.2", "--concurrency", "2", "--baseline", str(ROOT), "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    import json
+
+    result = json.loads(out.read_text())["map_sources"]["mirror"]
+    for key in ("overhead_p50_ms", "baseline_overhead_p50_ms", "baseline_router_internal_p50_ms",
+                "cpu_ms_per_request_baseline"):  # fmt: skip
+        assert key in result and result[key] == result[key], key  # present, not NaN
+    assert "| mirror, --baseline |" in proc.stdout
