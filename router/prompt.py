@@ -9,13 +9,50 @@ Text is encoded with ``Tokenizer.encode`` and chat with ``Tokenizer.encode_chat`
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import xxhash
 
-from prefixmesh.hashing import BlockHash, block_hashes
+from prefixmesh.hashing import BlockHash, packed_block_hashes, token_bytes
 from proto import prefixmesh_pb2 as pb
 from router.discovery import GROUP_KEY, ReplicaView
+
+
+class BlockHashCache:
+    """Block hashes of recent prompts, by model, block size, salt and the exact tokens of their
+    full blocks: a prompt routed again (the same request repeated, retried or resumed, a
+    benchmark's shared prefixes) is packed but not hashed again. Least recently used first out,
+    bounded by the bytes of the packed tokens it keeps (the hashes take about as much again).
+    The lists it returns are shared: never modify them."""
+
+    def __init__(self, max_bytes: int = 8 * 2**20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str, int, bytes], list[BlockHash]] = OrderedDict()
+
+    def block_hashes(
+        self, token_ids: list[int], block_size: int, model_id: str, cache_salt: str | None
+    ) -> list[BlockHash]:
+        """``prefixmesh.hashing.block_hashes`` of the tokens, from the cache when it can."""
+        full = len(token_ids) // block_size * block_size
+        data = token_bytes(token_ids)[: 4 * full]
+        key = (model_id, cache_salt or "", block_size, data)
+        hashes = self._entries.get(key)
+        if hashes is not None:
+            self._entries.move_to_end(key)
+            return hashes
+        hashes = packed_block_hashes(data, block_size, model_id, cache_salt)
+        if len(data) <= self.max_bytes:
+            self._entries[key] = hashes
+            self.bytes += len(data)
+            while self.bytes > self.max_bytes:
+                old, _ = self._entries.popitem(last=False)
+                self.bytes -= len(old[3])
+        return hashes
+
+
+_HASHES = BlockHashCache()
 
 
 @dataclass(slots=True)
@@ -60,7 +97,7 @@ def tokenize(
     for group, ids in out.ids_by_group.items():
         model_id = view.model_ids.get(group)
         if model_id is not None:
-            out.hashes_by_group[group] = block_hashes(
+            out.hashes_by_group[group] = _HASHES.block_hashes(
                 ids + resume if resume else ids, group[1], model_id, request.cache_salt or None
             )
     return out
