@@ -12,6 +12,19 @@ two ops, for the same reason.
 this CPU's oneDNN has no kernel for, such as bfloat16 without AVX-512, or a torch without these
 private ops) and ``linear`` then falls back to ``F.linear``, so callers never branch. Set
 ``PREFIXMESH_ONEDNN=0`` to keep every weight dense (plain ``F.linear``).
+
+**Batch invariance.** On AMX, oneDNN's bfloat16 (brgemm) matmul blocks its reduction differently for
+different row counts M, so row ``i`` of ``linear(x)`` is not always bit for bit row ``i`` of
+``linear(x[a:b])``: at SmolLM2's shapes a few elements in 10^4 differ by one bfloat16 ulp once M >
+32, and which M do depends on the shape and the thread count. In float32 (every ISA) a single row
+takes a matrix-vector path of its own. Every call of 2 to 32 rows (1 to 32 in bfloat16) gives a row
+the bits a 32-row call gives it (checked at every M, the row anywhere in the tile). ``linear(...,
+invariant=True)`` therefore runs a packed weight over tiles of :data:`INVARIANT_ROWS` rows, a lone
+float32 row doubled: a token's result no longer depends on what it was batched with, at the price of
+larger matmuls being cut up (docs/benchmarks.md, "Batch-invariant mode"). bfloat16 without AMX
+(oneDNN's AVX-512 kernels, or dense ``F.linear`` under AVX2) measured invariant as it is; the tiles
+are harmless there.
+``tests/test_cpu_linear.py`` checks the property on every ISA the machine runs.
 """
 
 from __future__ import annotations
@@ -22,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 BATCH_HINT = 64
+# Rows per oneDNN call in batch-invariant mode: calls of 1 to 32 rows all block the same way.
+INVARIANT_ROWS = 32
 
 
 def enabled() -> bool:
@@ -44,8 +59,36 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a weight from ``pack`` (packed or not)."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    invariant: bool = False,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a weight from ``pack`` (packed or not). ``invariant``: each
+    row's result bit for bit independent of the other rows (module docstring)."""
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        rows = x.shape[0]
+        if not invariant:
+            return _onednn(x, weight, bias)
+        if rows <= INVARIANT_ROWS:
+            return _invariant_tile(x, weight, bias)
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+        for start in range(0, rows, INVARIANT_ROWS):
+            end = min(rows, start + INVARIANT_ROWS)
+            out[start:end] = _invariant_tile(x[start:end], weight, bias)
+        return out
     return F.linear(x, weight, bias)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _invariant_tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    # oneDNN multiplies a lone float32 row on a matrix-vector path of its own (different bits
+    # from the same row in a 2- to 32-row call); a second copy of the row keeps it on the
+    # matrix path. A lone bfloat16 row needs no copy (measured; the test checks it).
+    if x.shape[0] == 1 and x.dtype != torch.bfloat16:
+        return _onednn(x.repeat(2, 1), weight, bias)[:1]
+    return _onednn(x, weight, bias)

@@ -1,9 +1,9 @@
 """The C++ CPU kernels (kernels/csrc/cpu_ops.cpp), built once per ISA with the system compiler.
 
 One source, written against ATen's portable vectors, compiled for the widest ISA this CPU has
-(or ``PREFIXMESH_CPU_ISA`` allows, see kernels/cpu_flags.py): AVX-512 (also on AMX machines:
-decode attention and elementwise ops gain nothing from tiles), AVX2, or plain C++ (``generic``,
-what ARM and pre-AVX2 CPUs get). Each build carries explicit ISA flags, never
+(or ``PREFIXMESH_CPU_ISA`` allows, see kernels/cpu_flags.py): AMX (the AVX-512 build whose
+bfloat16 decode attention scores keys on the tile unit), AVX-512, AVX2, or plain C++
+(``generic``, what ARM and pre-AVX2 CPUs get). Each build carries explicit ISA flags, never
 ``-march=native``, so a build for one ISA runs on every CPU that has it, and a machine can
 build and test every ISA it supports.
 
@@ -45,6 +45,8 @@ BUILD_FLAGS = {
         *_COMMON_X86,
     ],
 }
+# AMX: the AVX-512 build plus the tile unit, which scores bfloat16 decode attention's keys.
+BUILD_FLAGS["amx"] = [*BUILD_FLAGS["avx512"], "-mamx-tile", "-mamx-bf16", "-DPM_AMX"]
 
 # A build lock older than this is left over from a killed builder (see _clear_stale_lock).
 STALE_LOCK_S = 900.0
@@ -54,14 +56,13 @@ _modules: dict[str, ModuleType | None] = {}
 
 
 def build_isa(isa: str | None = None) -> str:
-    """The build that serves ``isa`` (default: what this CPU, capped, runs): AMX machines use
-    the AVX-512 build."""
+    """The build that serves ``isa`` (default: what this CPU, capped, runs)."""
     isa = isa or cpu_isa()
     if isa not in ISA_LEVELS:
         raise ValueError(f"isa must be one of {ISA_LEVELS} (got {isa!r})")
     if not _X86:
         return "generic"
-    return "avx512" if isa == "amx" else isa
+    return isa
 
 
 def load(isa: str | None = None) -> ModuleType | None:

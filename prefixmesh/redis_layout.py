@@ -9,7 +9,9 @@ Keys (``{ns}`` is the namespace, ``pm`` by default, so several clusters can shar
   process start), ``started_at``, plus load fields refreshed at least every 200 ms:
   ``running``, ``waiting``, ``kv_usage`` (0..1), ``queued_tokens`` (prompt tokens still to
   prefill plus tokens still to decode, as the engine estimates), ``num_blocks``,
-  ``updated_at`` (unix seconds). PEXPIRE ``LEASE_TTL_MS`` on every refresh: the lease disappears
+  ``updated_at`` (unix seconds), and where the replica fetches KV blocks from peers
+  ``fetch_cost`` (seconds to fetch one prompt token's KV over seconds to prefill it, as it has
+  measured them; the router prices a prefix held elsewhere with it). PEXPIRE ``LEASE_TTL_MS`` on every refresh: the lease disappears
   within 3 s of the process dying.
 - ``{ns}:blocks:{id}`` SET of the 16-byte block hashes (raw bytes) the replica holds in its
   prefix cache. Kept exact by stored/removed events, batched per engine step. PEXPIRE

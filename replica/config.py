@@ -32,6 +32,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # A waiting request whose next uncached prompt blocks are being prefilled right now by a
+    # running request waits for them to land in the prefix cache instead of computing them
+    # again (SGLang deprioritizes such requests the same way). See Scheduler.schedule.
+    wait_for_inflight_prefix: bool = True
     # How a preempted sequence gives its blocks back: "recompute" drops them (full ones stay in
     # the prefix cache), "swap" copies them to a host pool of ``swap_space_gb`` and back.
     # "auto" swaps where the device has memory of its own (CUDA) and recomputes on CPU.
@@ -41,6 +45,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    # Matmuls cut into fixed row tiles so a token's result does not depend on the batch or
+    # chunk it ran in (kernels/cpu_linear.py): a prefix-cache hit, local or fetched from a peer,
+    # then gives the cold run's output bit for bit in bfloat16 too. Costs prefill speed on AMX
+    # (docs/benchmarks.md, "Batch-invariant mode"), so it is off by default.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

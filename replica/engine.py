@@ -128,6 +128,7 @@ class LLMEngine:
             self.max_model_len,
             config.attention_backend,
             num_host_blocks,
+            config.batch_invariant,
         )
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []

@@ -14,11 +14,13 @@ runs as torch ops.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.cpu_linear import linear, pack
+from kernels import cpu_linear, cpu_ops
+from kernels.cpu_linear import pack
 from kernels.interface import AttentionBackend, AttentionMetadata
 from replica.model_config import ModelConfig, rope_inv_freq
 
@@ -39,8 +41,12 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant``: every matmul gives a token the same bits whatever it is batched
+        with (kernels/cpu_linear.py), so a prefix-cache hit reproduces a cold run exactly."""
         self.config = config
+        self.linear = functools.partial(cpu_linear.linear, invariant=batch_invariant)
         self.attention = attention
         self.dtype = dtype
         c = config
@@ -111,7 +117,7 @@ class LlamaModel:
         widening alone cost about 1 ms)."""
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, meta, kv_caches, logits_indices)
-        c = self.config
+        c, linear = self.config, self.linear
         num_tokens = input_ids.shape[0]
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
@@ -149,7 +155,7 @@ class LlamaModel:
         ``residual`` carries the skip connection: ``add_rms_norm`` adds each sublayer's output
         to it in place and normalizes the sum, as Hugging Face's decoder layer does in two.
         """
-        c, ops = self.config, self.ops
+        c, ops, linear = self.config, self.ops, self.linear
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
         q_end, k_end = self.q_size, self.q_size + self.kv_size

@@ -39,6 +39,7 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str,
         num_host_blocks: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         self.config = model_config
         self.device = device
@@ -46,7 +47,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.attention = get_backend(attention_backend, str(device))
         self.model = LlamaModel(
-            model_config, weights, self.attention, dtype, device, max_positions=max_model_len
+            model_config, weights, self.attention, dtype, device, max_model_len, batch_invariant
         )
         shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [

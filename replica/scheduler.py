@@ -4,7 +4,9 @@ Every step is rebuilt from scratch (continuous batching). Running sequences go f
 and unfinished prefill chunks), so a long prompt never stalls streams that are already decoding;
 then waiting sequences are admitted while the token budget, ``max_num_seqs`` and the KV pool
 allow. A waiting sequence reuses the longest run of cached leading blocks (never its last token,
-which needs logits). When blocks run out, the lowest-priority, newest running sequence is
+which needs logits); one whose next uncached blocks a running sequence is prefilling right now
+(a burst of requests sharing a prompt prefix) waits until they are cached, instead of computing
+the same blocks a second time, while the sequences behind it go ahead. When blocks run out, the lowest-priority, newest running sequence is
 preempted: by recompute (its blocks are released, full ones stay cached, and it waits again) or,
 where the device has memory of its own, by swapping its blocks out to a host pool and back in.
 
@@ -50,6 +52,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which served from the cache
     preemptions: int = 0
     swapped_out: int = 0  # preemptions that swapped to the host pool
+    inflight_prefix_waits: int = 0  # steps a waiting sequence sat out for a prefix in flight
 
 
 class Scheduler:
@@ -137,7 +140,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, seq.num_computed_tokens, budget)
+            if num_new == 0:  # batch-invariant mode: no lone prompt token (_chunk)
+                i += 1
+                continue
             while not self._reserve(seq, num_new, out):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -150,16 +156,23 @@ class Scheduler:
             # else ``seq`` preempted itself; the next running sequence now sits at index i.
 
         # Admit waiting sequences only when no running one had to be preempted this step.
-        while self.waiting and not out.preempted:
+        wait = self.config.wait_for_inflight_prefix
+        inflight = self._inflight_blocks(self.running) if wait else set()
+        w = 0  # waiting[:w] sit this step out: their prefix is being computed
+        while w < len(self.waiting) and not out.preempted:
+            seq = self.waiting[w]
+            if inflight and not seq.host_blocks and self._prefix_in_flight(seq, inflight):
+                self.stats.inflight_prefix_waits += 1
+                w += 1
+                continue
             if len(self.running) >= self.config.max_num_seqs:
-                freed = self._preempt_for(self.waiting[0], planned, out)
+                freed = self._preempt_for(seq, planned, out)
                 if freed is None:
                     break
                 budget += freed
                 continue
-            if budget <= 0:
-                break
-            seq = self.waiting[0]
+            if budget <= 0 or (self.config.batch_invariant and budget < 3):
+                break  # (with 3 tokens of budget, _chunk never gives a waiting prompt 0)
             if seq.host_blocks:
                 scheduled = self._swap_in(seq, budget, out)
             else:
@@ -170,11 +183,13 @@ class Scheduler:
                     break
                 budget += freed
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             planned[seq.seq_id] = scheduled
             budget -= scheduled.num_new_tokens
+            if wait:
+                inflight |= self._inflight_blocks([seq])
 
         plans = list(planned.values())
         # Decodes first, contiguous: the attention backend batches them in one call.
@@ -182,18 +197,45 @@ class Scheduler:
         out.scheduled += [p for p in plans if p.num_new_tokens > 1 or p.seq.is_prefill]
         return out
 
+    def _inflight_blocks(self, seqs: list[Sequence]) -> set:
+        """Hashes of the prompt blocks these running sequences are prefilling and have not
+        cached yet (each becomes a prefix-cache entry when its last token is computed)."""
+        blocks = set()
+        bs = self.block_size
+        for seq in seqs:
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                continue
+            self.update_block_hashes(seq)
+            blocks.update(seq.block_hashes[seq.num_hashed_blocks : seq.num_prompt_tokens // bs])
+        return blocks
+
+    def _prefix_in_flight(self, seq: Sequence, inflight: set) -> bool:
+        """Whether ``seq``'s first block past its cached prefix is one a running sequence is
+        prefilling: admitted now, it would compute that block (and likely more) again."""
+        self.update_block_hashes(seq)
+        cacheable = self._cacheable(seq)
+        cached = len(self.bm.match_prefix(seq.block_hashes[:cacheable]))
+        return cached < cacheable and seq.block_hashes[cached] in inflight
+
+    def _cacheable(self, seq: Sequence) -> int:
+        """Leading blocks of ``seq`` a prefix-cache hit may cover. Never the last token: it
+        needs logits. In batch-invariant mode not the last two: a lone new token would run in
+        the decode attention kernel, whose sums round otherwise than the prefill kernel's
+        (docs/fetch.md)."""
+        keep = 2 if self.config.batch_invariant else 1
+        return max(0, (seq.num_tokens - keep) // self.block_size)
+
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Reserve prefix-cache hits and new blocks for a waiting sequence, if they fit."""
         bs = self.block_size
         self.update_block_hashes(seq)
-        cacheable = (seq.num_tokens - 1) // bs  # never the last token: it needs logits
-        cached = self.bm.match_prefix(seq.block_hashes[:cacheable])
+        cached = self.bm.match_prefix(seq.block_hashes[: self._cacheable(seq)])
         num_computed = len(cached) * bs
         num_new = seq.num_tokens - num_computed
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 return None
-            num_new = budget
+            num_new = self._chunk(seq, num_computed, budget)
         needed = -(-(num_computed + num_new) // bs) - len(cached)
         if self.bm.num_free_blocks - self.bm.num_blocks_to_take(cached) < needed:
             return None
@@ -207,6 +249,21 @@ class Scheduler:
         if seq.request.num_cached_tokens < 0:
             seq.request.num_cached_tokens = num_computed
         return ScheduledSeq(seq, num_new)
+
+    def _chunk(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        """Tokens of ``seq`` to compute this step, from ``num_computed`` on, within ``budget``.
+
+        In batch-invariant mode a prompt never runs one token at a time while more of it is
+        left (a chunk of one, or one leaving one behind): a step of one new token takes the
+        decode attention kernel, whose sums round otherwise than the prefill kernel's, so the
+        token's KV would depend on how the prompt was chunked. 0: nothing this step."""
+        left = seq.num_tokens - num_computed
+        num_new = min(left, budget)
+        if not self.config.batch_invariant or left < 2 or num_new == left:
+            return num_new
+        if left - num_new == 1:
+            num_new -= 1
+        return num_new if num_new >= 2 else 0
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
         """Bring a swapped-out sequence back: new device blocks, copied in before the forward."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from prefixmesh import limits, settings, tenants, tls
 from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS
-from router.policy import POLICIES
+from router.policy import POLICIES, fetch_knob
 
 _LIMITS = limits.RequestLimits()
 MAP_SOURCES = ("mirror", "redis")
@@ -60,7 +60,7 @@ class RouterConfig:
     balance_window: int = 256
     tie_tokens: int = 32
     prefill_weight: float = 8.0
-    fetch_weight: float = -1.0
+    fetch_weight: str = "auto"
     predicted_ttl_ms: int = 5000
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     # Discovery and shared state.
@@ -115,8 +115,10 @@ _HELP: dict[str, str] = {
     "prefill_weight": "cost of one uncached prompt token relative to one queued token: a miss "
     "costs the whole cluster (the prefix is computed and stored again), a queue only delays",
     "fetch_weight": "cost of one prompt token another replica holds, which the chosen replica "
-    "can fetch from it (docs/fetch.md), in the units of --prefill-weight (about "
-    "prefill_weight / 7 on a CPU); negative = off, such tokens cost a full prefill",
+    "can fetch from it (docs/fetch.md), in the units of --prefill-weight: auto = the prefill "
+    "weight times what fetching a token costs that replica against prefilling it, as it "
+    "measures and publishes in its lease (a replica that does not fetch: a full prefill); "
+    "a number = that weight for every replica; off = such tokens cost a full prefill",
     "predicted_ttl_ms": "how long a routing decision counts as 'this replica will hold the "
     "prefix' before the replica's own KV events confirm it (renewed while the request waits "
     "for its first token)",
@@ -163,6 +165,12 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     if config.map_source not in MAP_SOURCES:
         problems.append(
             f"--map-source must be one of {', '.join(MAP_SOURCES)} (got {config.map_source!r})"
+        )
+    try:
+        fetch_knob(config.fetch_weight)
+    except ValueError:
+        problems.append(
+            f"--fetch-weight must be auto, off or a number >= 0 (got {config.fetch_weight!r})"
         )
     if config.state_refresh_s <= 0:
         problems.append(f"--state-refresh-s must be > 0 (got {config.state_refresh_s})")

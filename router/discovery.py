@@ -57,6 +57,7 @@ class Lease:
     num_blocks: int = 0
     updated_at: float = 0.0
     cached_blocks: int = 0  # blocks in the replica's prefix cache (its block set's size)
+    fetch_cost: float = -1.0  # a fetched prompt token's cost / a prefilled one's; < 0: no fetch
 
     @classmethod
     def from_fields(cls, f: Mapping[str, str]) -> Lease:
@@ -74,6 +75,7 @@ class Lease:
             num_blocks=int(_num(f, "num_blocks")),
             updated_at=_num(f, "updated_at"),
             cached_blocks=int(_num(f, "cached_blocks")),
+            fetch_cost=_num(f, "fetch_cost") if f.get("fetch_cost") else -1.0,
         )
 
     @property

@@ -36,10 +36,14 @@ copies age out of the other caches.
 than another replica actually has cached (spillover, or a policy blind to caches), the router
 names that replica (``fetch_source``) in the request's ``fetch_hint``. The chosen replica may
 then copy those blocks (``Replica.FetchBlocks``) instead of prefilling them, if its own cost
-model says that is faster (replica/server/peer_fetch.py). With ``--fetch-weight`` (off by
-default), cache_aware's cost also counts those tokens at the fetch's price, not a prefill's:
+model says that is faster (replica/server/peer_fetch.py). cache_aware's cost counts those
+tokens at the fetch's price, not a prefill's:
 ``cost = prefill_weight * (uncached - fetchable) + fetch_weight * fetchable + load``, where
-``fetchable`` are the prompt tokens some replica holds beyond what this one holds.
+``fetchable`` are the prompt tokens some replica holds beyond what this one holds. By default
+(``--fetch-weight auto``) ``fetch_weight`` is each replica's own: the prefill weight times
+the ``fetch_cost`` its lease publishes (a fetched token's cost over a prefilled one's, as that
+replica has measured them; capped at 1), so a replica whose fetches do not pay, or that does
+not fetch, prices the prefix as a full prefill.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class Candidate(NamedTuple):
     inflight_tokens: int = 0
     queued_tokens: int = 0
     recent_requests: int = 0  # of this router's last decisions (router/balance.py)
+    # What fetching a prompt token from a peer costs this replica against prefilling it (its
+    # lease's ``fetch_cost``, measured there); None: it does not fetch.
+    fetch_cost: float | None = None
 
     @property
     def load(self) -> int:
@@ -211,6 +218,7 @@ class CacheAwarePolicy(Policy):
         request_epsilon: float | None = None,
         request_slack: int = 2,
         fetch_weight: float | None = None,
+        fetch_auto: bool = False,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -219,16 +227,28 @@ class CacheAwarePolicy(Policy):
         self.request_epsilon = request_epsilon
         self.request_slack = request_slack
         self.fetch_weight = fetch_weight  # None: a prefix held elsewhere costs a full prefill
+        # Without a fixed weight: each replica's own measured cost (Candidate.fetch_cost).
+        self.fetch_auto = fetch_auto and fetch_weight is None
 
     @classmethod
     def create(cls, **knobs: float) -> CacheAwarePolicy:
         bound = knobs.get("request_epsilon", -1.0)  # negative: no request bound
-        fetch = knobs.get("fetch_weight", -1.0)  # negative: fetching not counted
+        fetch = knobs.get("fetch_weight", FETCH_OFF)  # FETCH_OFF: fetching not counted
         return cls(
             knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
             knobs["prefill_weight"], bound if bound >= 0 else None,
-            fetch_weight=fetch if fetch >= 0 else None,
+            fetch_weight=fetch if fetch >= 0 else None, fetch_auto=fetch == FETCH_AUTO,
         )  # fmt: skip
+
+    def _fetch_weight(self, candidate: Candidate) -> float | None:
+        """What one prompt token another replica holds costs on ``candidate``: the fixed
+        weight, or (auto) the prefill weight scaled by the replica's measured fetch cost, never
+        above a prefill; None where fetching is not counted."""
+        if self.fetch_weight is not None:
+            return self.fetch_weight
+        if self.fetch_auto and candidate.fetch_cost is not None:
+            return self.prefill_weight * min(1.0, candidate.fetch_cost)
+        return None
 
     def cost(self, request: RouteRequest, candidate: Candidate, held_blocks: int = 0) -> float:
         """Prefill still owed there plus its load; with ``fetch_weight``, prompt tokens another
@@ -236,7 +256,8 @@ class CacheAwarePolicy(Policy):
         hit = hit_tokens(request, candidate.matched_blocks)
         uncached = request.prompt_tokens - hit
         fetchable = 0
-        if self.fetch_weight is not None:
+        fetch_weight = self._fetch_weight(candidate)
+        if fetch_weight is not None:
             fetchable = max(0, hit_tokens(request, held_blocks) - hit)
         # Blocks predicted but not cached yet are being prefilled there for an earlier request
         # of the same burst: that queued work is work this request shares, not waits behind
@@ -246,7 +267,7 @@ class CacheAwarePolicy(Policy):
         )
         prefill = self.prefill_weight * (uncached - fetchable)
         if fetchable:
-            prefill += (self.fetch_weight or 0.0) * fetchable
+            prefill += (fetch_weight or 0.0) * fetchable
         return prefill + max(0, candidate.load - shared)
 
     def within_bound(
@@ -297,10 +318,11 @@ class CacheAwarePolicy(Policy):
         ]
         if not eligible:
             eligible = [min(rows, key=lambda row: (row[1], row[0].recent_requests))]
-        fetch_weight, prefill_weight = self.fetch_weight, self.prefill_weight
+        prefill_weight = self.prefill_weight
         held_hit = max(0, min(held * bs, pt - 1)) if pt > 0 else 0
         costs = []
-        for _c, load, hit, hit_cached in eligible:
+        for c, load, hit, hit_cached in eligible:
+            fetch_weight = self._fetch_weight(c)
             fetchable = max(0, held_hit - hit) if fetch_weight is not None else 0
             prefill = prefill_weight * (pt - hit - fetchable)
             if fetchable:
@@ -327,7 +349,7 @@ def make_policy(
     tie_tokens: int = 32,
     prefill_weight: float = 8.0,
     request_epsilon: float | None = None,
-    fetch_weight: float | None = None,
+    fetch_weight: float | str | None = None,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
@@ -336,8 +358,24 @@ def make_policy(
         epsilon=epsilon, slack_tokens=slack_tokens, tie_tokens=tie_tokens,
         prefill_weight=prefill_weight,
         request_epsilon=-1.0 if request_epsilon is None else request_epsilon,
-        fetch_weight=-1.0 if fetch_weight is None else fetch_weight,
+        fetch_weight=fetch_knob(fetch_weight),
     )  # fmt: skip
+
+
+FETCH_OFF, FETCH_AUTO = -1.0, -2.0  # the fetch_weight knob's two non-weights
+
+
+def fetch_knob(value: float | str | None) -> float:
+    """``--fetch-weight`` as the policy knob: a weight >= 0, ``auto`` (each replica's measured
+    cost, from its lease) or ``off``/None (a prefix held elsewhere costs a full prefill)."""
+    if value is None or value == "off":
+        return FETCH_OFF
+    if value == "auto":
+        return FETCH_AUTO
+    weight = float(value)
+    if weight < 0:
+        raise ValueError(f"fetch_weight must be auto, off or a number >= 0 (got {value!r})")
+    return weight
 
 
 # Every policy by name: the one list that --policy, SetPolicy and make_policy use.

@@ -161,7 +161,7 @@ class Router:
             name, epsilon=c.balance_epsilon, slack_tokens=c.balance_slack_tokens,
             tie_tokens=c.tie_tokens, prefill_weight=c.prefill_weight,
             request_epsilon=c.balance_requests_epsilon if c.balance_requests_epsilon >= 0 else None,
-            fetch_weight=c.fetch_weight if c.fetch_weight >= 0 else None,
+            fetch_weight=c.fetch_weight,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -442,7 +442,7 @@ class Router:
         other = match.other_inflight_tokens if match else handle.other_inflight_tokens
         return Candidate(
             rid, cached, predicted, max(0, handle.inflight_tokens) + other, lease.queued_tokens,
-            self.recent.count(rid),
+            self.recent.count(rid), lease.fetch_cost if lease.fetch_cost >= 0 else None,
         )  # fmt: skip
 
     def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:

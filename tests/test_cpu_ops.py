@@ -87,6 +87,80 @@ def test_a_step_with_prefills_runs_in_one_kernel_call(isa, dtype, head_dim):
     check_close(sdpa_out, torch_out.to(torch.float64), dtype)
 
 
+@pytest.fixture
+def scorer():
+    """Sets how a build's decode attention scores keys (``set_decode_scores``), and puts every
+    loaded build back on ``auto`` afterwards (the setting is the build's, not the call's)."""
+    modules = []
+
+    def use(module, mode: str) -> str:
+        modules.append(module)
+        return module.set_decode_scores(mode)
+
+    yield use
+    for module in modules:
+        module.set_decode_scores("auto")
+
+
+# Shapes for the tile path: GQA groups of 3 (SmolLM2), 16 query heads on one KV head (a full
+# tile of columns), MHA; head_dim one to four tile rows of 32; blocks of one and two tiles, and
+# blocks of 8 (not a whole tile: the FMA path serves them); contexts ending mid-tile.
+TILE_SHAPES = [
+    (block_size, heads, kv_heads, head_dim)
+    for block_size in (16, 32, 8)
+    for heads, kv_heads in ((9, 3), (16, 1), (4, 4))
+    for head_dim in (32, 64, 128)
+]
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("many", [False, True], ids=["per-kv-head", "per-sequence"])
+def test_decode_scores_as_emulated_tile_products_match_the_reference(isa, many, scorer):
+    # The tile path's arithmetic in plain C++ (every build has it): the queries' pair layout,
+    # the walk over blocks, the padded score rows and their softmax, on any CPU.
+    module = _ops(isa)
+    scorer(module, "emulated")
+    rng = random.Random(7)
+    for block_size, heads, kv_heads, head_dim in TILE_SHAPES:
+        count = 4 * torch.get_num_threads() + 3 if many else 2
+        seqs = [(rng.randint(1, 90), 1) for _ in range(count)] + [(15, 1), (31, 1)]
+        case = Case(seqs, block_size, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim)
+        out, _, _ = case.run(TorchAttentionBackend(isa=isa))
+        check_close(out, case.naive(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_decode_scores_by_amx_tiles_where_the_build_and_cpu_have_them(isa, scorer):
+    module = _ops(isa)
+    if isa != "amx":
+        # Only the AMX build has tiles: asking another build for them is an error, and "auto"
+        # keeps its FMAs.
+        with pytest.raises(RuntimeError, match="no AMX tiles"):
+            module.set_decode_scores("amx")
+        assert scorer(module, "auto") == "fma"
+        return
+    assert scorer(module, "auto") == "amx"
+    rng = random.Random(11)
+    for block_size, heads, kv_heads, head_dim in TILE_SHAPES:
+        seqs = [(rng.randint(1, 200), 1) for _ in range(4 * torch.get_num_threads() + 1)]
+        case = Case(seqs, block_size, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim)
+        outs = {}
+        for mode in ("amx", "emulated", "fma"):
+            scorer(module, mode)
+            outs[mode], _, _ = case.run(TorchAttentionBackend(isa=isa))
+            check_close(outs[mode], case.naive(), torch.bfloat16)
+        # The tiles sum the same products as their emulation, in float32 in another order.
+        torch.testing.assert_close(
+            outs["amx"].double(), outs["emulated"].double(), atol=1e-2, rtol=1e-2
+        )
+
+
+def test_decode_scores_setting_names_its_choices(scorer):
+    module = _ops(RUNNABLE[0])
+    with pytest.raises(RuntimeError, match="auto, fma, amx or emulated"):
+        module.set_decode_scores("tiles")
+
+
 class _Recording:
     """A kernel module that records which entry points were called."""
 

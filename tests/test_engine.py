@@ -397,3 +397,49 @@ def test_auto_dtype_engine_uses_the_detected_dtype(tiny_model_dir):
 
     llm = make_llm(tiny_model_dir, dtype="auto")
     assert str(llm.engine.dtype) == f"torch.{default_dtype('cpu')}"
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(tiny_model_dir):
+    # Four 104-token requests with one 96-token prefix arrive together; a step holds 128
+    # tokens. Step 1 prefills the first, and the 24 tokens left would start the second, which
+    # would then compute its own copy of the prefix (its block table is set at admission). With
+    # the wait, the second sits out step 1 (its next block is in flight) and takes the prefix
+    # from the cache in step 2, as the later ones do either way. Outputs are the same.
+    rng = random.Random(12)
+    shared = [rng.randrange(5, 400) for _ in range(96)]
+    prompts = [shared + [rng.randrange(5, 400) for _ in range(8)] for _ in range(4)]
+    results = {}
+    for wait in (True, False):
+        llm = make_llm(tiny_model_dir, max_num_batched_tokens=128, wait_for_inflight_prefix=wait)
+        outputs = llm.generate(prompts, GREEDY)
+        llm.engine.check_integrity()
+        stats = llm.engine.scheduler.stats
+        results[wait] = ([o.token_ids for o in outputs], [o.num_cached_tokens for o in outputs])
+        assert (stats.inflight_prefix_waits > 0) == wait
+    assert results[True][0] == results[False][0]
+    assert results[True][1] == [0, 96, 96, 96]
+    assert results[False][1] == [0, 0, 96, 96]
+
+
+def test_a_request_waiting_on_a_prefix_goes_ahead_when_its_leader_is_aborted(tiny_model_dir):
+    rng = random.Random(13)
+    shared = [rng.randrange(5, 400) for _ in range(96)]
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=64)
+    solo = run_greedy(llm, [shared + [7, 8, 9]])[0]
+    llm.engine.reset_prefix_cache()
+    engine = llm.engine
+    engine.add_request("leader", shared + [1, 2, 3], GREEDY)
+    engine.add_request("follower", shared + [7, 8, 9], GREEDY)
+    engine.step()  # the leader's first 64 tokens
+    engine.step()  # the leader's last 35; the follower waits for the prefix's last 2 blocks
+    assert [s.request.request_id for s in engine.scheduler.waiting] == ["follower"]
+    engine.abort_request("leader")
+    got: list[int] = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.request_id == "follower":
+                got.extend(out.new_token_ids)
+    engine.check_integrity()
+    assert got == solo

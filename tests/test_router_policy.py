@@ -9,6 +9,8 @@ import pytest
 from router.policy import (
     COLD,
     FALLBACK,
+    FETCH_AUTO,
+    FETCH_OFF,
     SPILLOVER,
     WARM,
     CacheAwarePolicy,
@@ -19,6 +21,7 @@ from router.policy import (
     RoundRobinPolicy,
     RouteRequest,
     decide,
+    fetch_knob,
     hit_tokens,
     make_policy,
     rendezvous,
@@ -273,6 +276,7 @@ def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
         ),  # fmt: skip
         CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_weight=1.0),
         CacheAwarePolicy(epsilon=0.0, slack_tokens=0, request_epsilon=0.0, fetch_weight=0.0),
+        CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_auto=True),
     ]
     for _ in range(400):
         prompt = rng.choice([0, 1, 15, 16, 17, 64, 320, 1024])
@@ -291,9 +295,29 @@ def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
                     load + rng.randint(-1, 1) * load // 3,
                     rng.choice([0, load]),
                     rng.randint(0, 40),
-                )  # fmt: skip
+                    rng.choice([None, 0.125, 0.5, 3.0]),
+                )
             )
         for policy in policies:
             assert policy.choose(request, candidates) == _reference_choose(
                 policy, request, candidates
             ), (policy.__dict__, request, candidates)
+
+
+def test_auto_fetch_weight_is_each_replicas_measured_fetch_cost() -> None:
+    # --fetch-weight auto (the router's default): a held-elsewhere token costs the prefill
+    # weight times the fetch_cost the replica's lease publishes (capped at a full prefill); a
+    # replica that does not fetch (no fetch_cost) pays a full prefill.
+    warm, request = cand("warm", cached=63, inflight=3000), req(1024)
+    auto = make_policy("cache_aware", epsilon=10.0, fetch_weight="auto")
+    assert isinstance(auto, CacheAwarePolicy) and auto.fetch_auto and auto.fetch_weight is None
+    fast = Candidate("fast", fetch_cost=0.125)  # fetching a token costs 1/8 of prefilling it
+    assert auto.cost(request, fast, held_blocks=63) == 8 * 16 + 1 * 1008
+    assert auto.choose(request, [warm, fast]).replica_id == "fast"
+    for slow in (Candidate("slow", fetch_cost=3.0), Candidate("no-fetch")):
+        assert auto.cost(request, slow, held_blocks=63) == 8 * 1024  # a full prefill
+        assert auto.choose(request, [warm, slow]).replica_id == "warm"
+    assert fetch_knob("off") == fetch_knob(None) == FETCH_OFF
+    assert fetch_knob("auto") == FETCH_AUTO and fetch_knob("1.5") == 1.5
+    with pytest.raises(ValueError, match="auto, off or a number"):
+        fetch_knob("-1")

@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto = bfloat16 where the CPU has native bf16, else float32 (default: auto)",
     )
     common.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    common.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="run the engine in batch-invariant mode (EngineConfig.batch_invariant)",
+    )
     common.add_argument("--json", default=None, help="also write the results to this file")
     parser = argparse.ArgumentParser(
         prog="prefixmesh bench",

@@ -17,7 +17,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context", type=int, default=240, help="mean context length")
     parser.add_argument("--iters", type=int, default=20, help="timed calls")
     parser.add_argument(
-        "--isa", default=None, help="kernel build: generic, avx2, avx512 (default: this CPU's)"
+        "--isa",
+        default=None,
+        help="kernel build: generic, avx2, avx512, amx (default: this CPU's)",
     )
 
 
@@ -89,6 +91,22 @@ def run(args) -> dict:
         attend = functools.partial(backend.attend, d["query"], k_cache, v_cache, meta, scale)
         outputs[name] = attend()
         result[f"{name}_ms"] = per_call_ms(attend)
+    if (
+        kernels is not None
+        and kernels.set_decode_scores("auto") == "amx"
+        and dtype == torch.bfloat16
+    ):
+        # The AMX build scores bfloat16 keys on the tile unit: the same call with FMA scores.
+        backend = TorchAttentionBackend(isa=args.isa)
+        backend.prepare(meta, d["block"])
+        attend = functools.partial(
+            backend.attend, d["query"], k_cache, v_cache, meta, d["head_dim"] ** -0.5
+        )
+        try:
+            kernels.set_decode_scores("fma")
+            result["cpu_kernel_fma_scores_ms"] = per_call_ms(attend)
+        finally:
+            kernels.set_decode_scores("auto")
     if len(outputs) == 2:
         diff = (outputs["cpu_kernel"].float() - outputs["torch_sdpa"].float()).abs().max()
         result["max_abs_diff"] = float(diff)
@@ -110,9 +128,11 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
         f"({d['heads']}/{d['kv_heads']} heads, head_dim {d['head_dim']}, {dtype_name}, "
         f"{threads} threads, kernel build {result['isa']}), mean of {args.iters} calls:"
     )
-    for name in ("cpu_kernel", "torch_sdpa"):
+    labels = {"cpu_kernel": "cpu_kernel", "cpu_kernel_fma_scores": "cpu_kernel, scores by FMAs "
+              "instead of AMX tiles", "torch_sdpa": "torch_sdpa"}  # fmt: skip
+    for name, label in labels.items():
         if f"{name}_ms" in result:
-            print(f"  {name:10s} {result[f'{name}_ms']:7.2f} ms")
+            print(f"  {label:10s} {result[f'{name}_ms']:7.2f} ms")
     if "read_kv_ms" in result:
         print(
             f"  floor: one read of the {result['kv_mb']:.1f} MB of keys and values through the "

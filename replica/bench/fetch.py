@@ -33,6 +33,7 @@ async def _replica(args, replica_id: str):
         block_size=args.block_size, num_blocks=4 * (args.prompt_len // args.block_size + 8),
         max_model_len=args.prompt_len + args.suffix_len + args.max_tokens + 64,
         threads=args.threads or 0, max_num_batched_tokens=2048,
+        batch_invariant=args.batch_invariant,
     )  # fmt: skip
     engine = await asyncio.to_thread(LLMEngine, config.engine_config())
     server = ReplicaServer(config, engine)

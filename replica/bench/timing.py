@@ -30,7 +30,7 @@ def make_llm(args, **overrides):
     """The engine under test, with the command line's model, dtype and threads."""
     from replica import LLM
 
-    options = dict(dtype=args.dtype, num_threads=args.threads)
+    options = dict(dtype=args.dtype, num_threads=args.threads, batch_invariant=args.batch_invariant)
     options.update(overrides)
     return LLM(args.model, **options)
 

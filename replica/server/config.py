@@ -73,6 +73,8 @@ class ServerConfig:
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
     prefix_caching: bool = True
+    wait_for_inflight_prefix: bool = True
+    batch_invariant: bool = False
     seed: int = 0
     log_level: str = "INFO"
 
@@ -107,10 +109,12 @@ class ServerConfig:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": self.prefix_caching,
+            "wait_for_inflight_prefix": self.wait_for_inflight_prefix,
             "scheduling_policy": self.scheduling_policy,
             "attention_backend": self.attention_backend,
             "device": self.device,
             "seed": self.seed,
+            "batch_invariant": self.batch_invariant,
         }
         if self.num_blocks:
             kwargs["num_kv_blocks"] = self.num_blocks
@@ -168,6 +172,13 @@ _HELP: dict[str, str] = {
     "scheduling_policy": "fcfs or priority (lower GenerateRequest.priority first)",
     "prefix_caching": "reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching "
     "is the baseline for measurements)",
+    "wait_for_inflight_prefix": "a request whose next prompt blocks another request is "
+    "prefilling right now waits for them to be cached instead of computing them again "
+    "(--no-wait-for-inflight-prefix: admit it at once)",
+    "batch_invariant": "run every matmul in tiles of at most 32 rows so a token's result does not "
+    "depend on what it is batched with: a prefix-cache hit (local or fetched from a peer) then "
+    "gives the cold run's greedy output exactly in bfloat16 too; costs prefill speed on AMX "
+    "CPUs (docs/fetch.md)",
     "seed": "engine seed for requests that set none",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     **limits.HELP,

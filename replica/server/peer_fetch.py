@@ -71,6 +71,12 @@ class FetchCost:
     def worth_it(self, num_bytes: int, num_tokens: int) -> bool:
         return self.fetch_s(num_bytes) < self.recompute_s(num_tokens)
 
+    def token_cost(self, bytes_per_token: float) -> float:
+        """Seconds to fetch one prompt token's KV over seconds to prefill it, as measured so
+        far (the per-transfer latency left out: it is paid once per prefix). Published in the
+        lease, so routers price a prefix held by a peer at what fetching it costs here."""
+        return bytes_per_token / self.bytes_per_s * self.prefill_tokens_per_s
+
     def record_transfer(self, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds > 0:
             w = self.weight

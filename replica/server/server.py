@@ -304,7 +304,16 @@ class ReplicaServer:
             "num_blocks": s.num_blocks,
             "free_blocks": s.free_blocks,
             "cached_blocks": s.cached_blocks,
+            **self._fetch_fields(),
         }
+
+    def _fetch_fields(self) -> dict[str, str]:
+        """``fetch_cost``: what fetching a prompt token from a peer costs here against
+        prefilling it (``FetchCost.token_cost``); absent when this replica does not fetch."""
+        if self.fetcher is None:
+            return {}
+        per_token = self.fetcher.bytes_per_block / self.engine.block_size
+        return {"fetch_cost": f"{self.fetcher.cost.token_cost(per_token):.5f}"}
 
 
 # -- process entry point ------------------------------------------------------------------
