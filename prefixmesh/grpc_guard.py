@@ -9,6 +9,7 @@ answers ``INVALID_ARGUMENT`` naming the message type. Used by replicas and route
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -47,6 +48,14 @@ def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     }
     if handler.response_streaming:
         inner_stream = handler.unary_stream
+        if inspect.iscoroutinefunction(inner_stream):  # writes its messages itself
+
+            async def write(request: Any, context: grpc.aio.ServicerContext) -> None:
+                if isinstance(request, _Undecodable):
+                    await _refuse(request, context)
+                await inner_stream(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(write, **kwargs)
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Undecodable):
@@ -69,6 +78,12 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
     """Turns decode failures of unary-request methods into INVALID_ARGUMENT (put it last, so it
     wraps the handler the other interceptors chose)."""
 
+    def __init__(self) -> None:
+        # A server's handlers are the same objects on every call: each is wrapped once, not
+        # on every request. Keyed by identity (the value keeps the handler alive, so its id
+        # is never reused); bounded in case some handler is built per call.
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -82,4 +97,11 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             or not (handler.unary_unary or handler.unary_stream)
         ):
             return handler
-        return _guarded(handler)
+        known = self._wrapped.get(id(handler))
+        if known is not None and known[0] is handler:
+            return known[1]
+        guarded = _guarded(handler)
+        if len(self._wrapped) >= 1024:
+            self._wrapped.clear()
+        self._wrapped[id(handler)] = (handler, guarded)
+        return guarded

@@ -29,7 +29,8 @@ def root_hash(model_id: str, cache_salt: str | None = None) -> BlockHash:
     return xxhash.xxh3_128_digest(seed)
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as the hash reads them: unsigned 32-bit, little-endian."""
     packed = array("I", tokens)
     if sys.byteorder != "little":
         packed.byteswap()
@@ -38,7 +39,7 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 
 def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
     """Hash one full block of token ids, chained on its parent's hash."""
-    return xxhash.xxh3_128_digest(parent + _token_bytes(tokens))
+    return xxhash.xxh3_128_digest(parent + token_bytes(tokens))
 
 
 def block_hashes(
@@ -56,12 +57,20 @@ def block_hashes(
         num_blocks = min(num_blocks, max_blocks)
     # Packed once and sliced per block: the same bytes as hash_block's, at a fraction of the
     # cost (the router hashes every prompt on its request path).
-    data = _token_bytes(token_ids[: num_blocks * block_size])
+    data = token_bytes(token_ids[: num_blocks * block_size])
+    return packed_block_hashes(data, block_size, model_id, cache_salt)
+
+
+def packed_block_hashes(
+    data: bytes, block_size: int, model_id: str, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """``block_hashes`` of tokens already packed by ``token_bytes`` (full blocks only: a
+    partial block at the end is ignored)."""
     step = 4 * block_size
     digest = xxhash.xxh3_128_digest
     hashes: list[BlockHash] = []
     parent = root_hash(model_id, cache_salt)
-    for start in range(0, num_blocks * step, step):
+    for start in range(0, len(data) // step * step, step):
         parent = digest(parent + data[start : start + step])
         hashes.append(parent)
     return hashes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,9 +86,14 @@ def check_limits(limits: RequestLimits) -> list[str]:
     return problems
 
 
-def check_request(request: pb.GenerateRequest, limits: RequestLimits) -> None:
+def check_request(
+    request: pb.GenerateRequest, limits: RequestLimits, token_ids: Sequence[int] | None = None
+) -> None:
     """Raise ``ValueError`` naming the first field beyond ``limits`` (shape only: the value
-    ranges of sampling fields are the engine's ``SamplingParams.validate``)."""
+    ranges of sampling fields are the engine's ``SamplingParams.validate``).
+
+    ``token_ids``: ``request.token_ids.ids`` already read into a list, if the caller has it
+    (every read of a repeated field builds its elements again)."""
     if len(request.request_id) > limits.max_id_len:
         raise ValueError(
             f"request_id must be at most {limits.max_id_len} characters "
@@ -113,7 +119,8 @@ def check_request(request: pb.GenerateRequest, limits: RequestLimits) -> None:
             raise ValueError(
                 f"stop[{i}] must be at most {limits.max_stop_len} characters (got {len(stop)})"
             )
-    for name, ids in (("token_ids.ids", request.token_ids.ids),
+    prompt = request.token_ids.ids if token_ids is None else token_ids
+    for name, ids in (("token_ids.ids", prompt),
                       ("resume_token_ids", request.resume_token_ids)):  # fmt: skip
         # Negative ids are never tokens; the router hashes them before any replica sees them.
         if ids and min(ids) < 0:

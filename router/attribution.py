@@ -29,14 +29,13 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 STALE, ELSEWHERE, EVICTED, COMPULSORY = "stale", "elsewhere", "evicted", "compulsory"
 MISS_KINDS = (COMPULSORY, EVICTED, ELSEWHERE, STALE)
 
 
-@dataclass(frozen=True, slots=True)
-class PendingMisses:
+class PendingMisses(NamedTuple):
     """What the router knew at routing time; ``split`` finishes it with the replica's report."""
 
     block_size: int
@@ -101,11 +100,20 @@ class MissAttribution:
         if prompt_tokens <= 0 or block_size <= 0:
             return None
         cacheable = min(len(hashes), (prompt_tokens - 1) // block_size)
-        pending = PendingMisses(
-            block_size, cacheable, promised_blocks, elsewhere_blocks, self.seen_prefix(hashes)
-        )
-        self.remember(hashes)
-        return pending
+        # seen_prefix, then remember, in one pass (this runs on every routed request): the
+        # leading run of seen hashes is counted before any of the request's is added.
+        seen, move = self._seen, self._seen.move_to_end
+        leading, counting = 0, True
+        for h in hashes:
+            if h in seen:
+                move(h)
+                leading += counting
+            else:
+                counting = False
+                seen[h] = None
+        while len(seen) > self.max_seen:
+            seen.popitem(last=False)
+        return PendingMisses(block_size, cacheable, promised_blocks, elsewhere_blocks, leading)
 
     def settle(self, pending: PendingMisses | None, cached_tokens: int) -> dict[str, int]:
         """Count one finished request; returns its split (empty for None)."""

@@ -149,9 +149,11 @@ async def _sequential(
     for _ in range(requests):
         for stub, times in zip(stubs, samples):
             times.append(await _ttft(stub, _request(prefixes, rng)))
-    served = {"router": requests, "passthrough": requests, "echo": 3 * requests}
+    served = {"echo": len(stubs) * requests}  # every path ends at an echo replica
     cpu_ms = {
-        f"cpu_ms_per_request_{name}": (_cpu_seconds(pid) - cpu_before[name]) * 1000.0 / served[name]
+        f"cpu_ms_per_request_{name}": (_cpu_seconds(pid) - cpu_before[name])
+        * 1000.0
+        / served.get(name, requests)
         for name, pid in pids.items()
     }
     return samples, cpu_ms
@@ -215,11 +217,13 @@ async def _measure(
     metrics_port: int = 0,
     passthrough: str = "",
     pids: dict[str, int] | None = None,
+    baseline: tuple[str, int] | None = None,
 ) -> dict[str, float]:
     """TTFT samples via the router, direct and via the passthrough proxy, then throughput.
 
     ``pids`` (router, passthrough, echo) adds each process's CPU time per request it served
-    during the sequential phase: how much of a hop is work rather than waiting.
+    during the sequential phase: how much of a hop is work rather than waiting. ``baseline``
+    (address, metrics port): another router (``--baseline``), sampled in the same rotation.
     """
     rng = random.Random(0)
     prefixes = [
@@ -232,12 +236,24 @@ async def _measure(
     via_router, direct = pb_grpc.GeneratorStub(router_ch), pb_grpc.GeneratorStub(direct_ch)
     proxy_ch = grpc.aio.insecure_channel(passthrough or state.replicas[0].address)
     via_proxy = pb_grpc.GeneratorStub(proxy_ch)
-    (routed, straight, proxied), cpu_ms = await _sequential(
-        (via_router, direct, via_proxy), args.requests, prefixes, rng, pids or {}
-    )
+    stubs = (via_router, direct, via_proxy)
+    base_ch = grpc.aio.insecure_channel(baseline[0]) if baseline else None
+    if base_ch is not None:
+        await _wait_for_replicas(pb_grpc.ClusterStub(base_ch), args.replicas)
+        stubs += (pb_grpc.GeneratorStub(base_ch),)
+    samples, cpu_ms = await _sequential(stubs, args.requests, prefixes, rng, pids or {})
+    routed, straight, proxied = samples[:3]
     await proxy_ch.close()
 
     internal = await _router_histograms(metrics_port)
+    if base_ch is not None and baseline is not None:
+        await base_ch.close()
+        before = _latency_summary(samples[3], straight, proxied)
+        internal["baseline_overhead_p50_ms"] = before["overhead_p50_ms"]
+        internal["baseline_overhead_p99_ms"] = before["overhead_p99_ms"]
+        internal["ttft_baseline_p50_ms"] = before["ttft_router_p50_ms"]
+        for key, value in (await _router_histograms(baseline[1])).items():
+            internal[f"baseline_{key}"] = value
     await cluster.ResetStats(pb.Empty())
     per_s = await _throughput(via_router, prefixes, args.concurrency, args.seconds)
     state = await cluster.ListReplicas(pb.Empty())
@@ -253,8 +269,22 @@ async def _measure(
     }
 
 
-def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+def _start(cmd: list[str], env: dict[str, str], cwd: Path = ROOT) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _start_router(
+    source: str, args: argparse.Namespace, redis_url: str, env: dict[str, str], cwd: Path = ROOT
+) -> tuple[subprocess.Popen[str], int, int]:
+    """A router process (from the checkout at ``cwd``); returns it, its port and metrics port."""
+    port, metrics_port = free_port(), free_port()
+    router = _start([sys.executable, "-m", "prefixmesh.cli", "router", "--port", str(port),
+                     "--redis", redis_url, "--policy", args.policy, "--map-source", source,
+                     "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+                    env, cwd)  # fmt: skip
+    assert router.stdout is not None
+    router.stdout.readline()  # "router listening on ..."
+    return router, port, metrics_port
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -274,6 +304,13 @@ def _parser() -> argparse.ArgumentParser:
         "--map-source", default="redis,mirror", help="router map sources to compare, in turn"
     )
     parser.add_argument("--json", default="", help="also write the summary here")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="another checkout (e.g. a git worktree at the commit before a change): its router "
+        "runs beside this one on the same Redis and replicas and takes its turn in the same "
+        "sequential rotation, so before and after see the same machine load",
+    )
     parser.add_argument("--serve-passthrough", default="", help=argparse.SUPPRESS)
     return parser
 
@@ -329,21 +366,28 @@ def main(argv: list[str] | None = None) -> int:
             proxy_addr = f"127.0.0.1:{proxy.stdout.readline().strip()}"
             results = {}
             for source in args.map_source.split(","):
-                port, metrics_port = free_port(), free_port()
-                router = _start([sys.executable, "-m", "prefixmesh.cli", "router", "--port",
-                                 str(port), "--redis", redis.url, "--policy", args.policy,
-                                 "--map-source", source, "--metrics-port", str(metrics_port),
-                                 "--log-level", "WARNING"], env)  # fmt: skip
-                assert router.stdout is not None
-                router.stdout.readline()  # "router listening on ..."
+                router, port, metrics_port = _start_router(source, args, redis.url, env)
                 pids = {"router": router.pid, "passthrough": proxy.pid, "echo": echo.pid}
+                base: subprocess.Popen[str] | None = None
+                baseline = None
+                if args.baseline:
+                    tree = Path(args.baseline).resolve()
+                    base, base_port, base_metrics = _start_router(
+                        source, args, redis.url, {**env, "PYTHONPATH": str(tree)}, tree
+                    )
+                    pids["baseline"] = base.pid
+                    baseline = (f"127.0.0.1:{base_port}", base_metrics)
                 try:
                     results[source] = asyncio.run(
-                        _measure(args, f"127.0.0.1:{port}", metrics_port, proxy_addr, pids)
+                        _measure(
+                            args, f"127.0.0.1:{port}", metrics_port, proxy_addr, pids, baseline
+                        )
                     )
                 finally:
-                    router.terminate()
-                    router.wait(timeout=10)
+                    for proc in (router, base):
+                        if proc is not None:
+                            proc.terminate()
+                            proc.wait(timeout=10)
         finally:
             for proc in procs:
                 proc.terminate()
@@ -363,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         over = r["overhead_p50_ms"] - r["proxy_hop_p50_ms"]
         print(f"| {source} | {r['overhead_p50_ms']:.3f} | {r['proxy_hop_p50_ms']:.3f} "
               f"| {over:+.3f} |")  # fmt: skip
+        if "baseline_overhead_p50_ms" in r:
+            over = r["baseline_overhead_p50_ms"] - r["proxy_hop_p50_ms"]
+            print(f"| {source}, --baseline | {r['baseline_overhead_p50_ms']:.3f} "
+                  f"| {r['proxy_hop_p50_ms']:.3f} | {over:+.3f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0

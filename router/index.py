@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -119,8 +119,7 @@ return out
 """.replace("{FIELDS}", "{" + ", ".join(f"'{f}'" for f in LEASE_FIELDS) + "}")
 
 
-@dataclass(frozen=True, slots=True)
-class HashGroup:
+class HashGroup(NamedTuple):
     """The block hashes of one request for replicas of one (model, block_size)."""
 
     model: str
@@ -128,8 +127,7 @@ class HashGroup:
     hashes: Sequence[BlockHash]
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaMatch:
+class ReplicaMatch(NamedTuple):
     """One live replica in a lookup answer."""
 
     replica_id: str

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 from prometheus_client import Counter as PromCounter
@@ -36,6 +37,19 @@ class RoutingCounters:
     @property
     def hit_rate(self) -> float:
         return self.actual_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class _Children(dict[str, Any]):
+    """A one-label metric's children by label value, looked up once each: ``labels()`` takes a
+    lock and builds a tuple on every call, on the request path several times per request."""
+
+    def __init__(self, metric: Any) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, value: str) -> Any:
+        child = self[value] = self.metric.labels(value)
+        return child
 
 
 class RouterMetrics:
@@ -105,6 +119,11 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self._by_outcome = _Children(self.requests)
+        self._by_replica = _Children(self.replica_requests)
+        self._prompt_by_replica = _Children(self.prompt_tokens)
+        self._cached_by_replica = _Children(self.cached_tokens)
+        self.blocks_by_kind = _Children(self.prompt_blocks)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -115,15 +134,15 @@ class RouterMetrics:
         self.window.decisions[outcome] += 1
         self.window.requests += 1
         self.window.predicted_cached_tokens += predicted_cached
-        self.requests.labels(outcome).inc()
-        self.replica_requests.labels(replica_id).inc()
+        self._by_outcome[outcome].inc()
+        self._by_replica[replica_id].inc()
         self.predicted_cached_tokens.inc(predicted_cached)
 
     def finished(self, replica_id: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.window.prompt_tokens += prompt_tokens
         self.window.actual_cached_tokens += cached_tokens
-        self.prompt_tokens.labels(replica_id).inc(prompt_tokens)
-        self.cached_tokens.labels(replica_id).inc(cached_tokens)
+        self._prompt_by_replica[replica_id].inc(prompt_tokens)
+        self._cached_by_replica[replica_id].inc(cached_tokens)
 
     def retried(self, replica_id: str) -> None:
         self.window.retries += 1

@@ -51,15 +51,14 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
 WARM, SPILLOVER, COLD, FALLBACK = "warm", "spillover", "cold", "fallback"
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
+class RouteRequest(NamedTuple):
     """What a policy knows about a request (``prompt_tokens == 0``: not tokenized)."""
 
     prompt_tokens: int
@@ -69,8 +68,7 @@ class RouteRequest:
     affinity: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One live replica as the policy sees it."""
 
     replica_id: str
@@ -92,8 +90,7 @@ class Candidate:
         return max(self.cached_blocks, self.predicted_blocks)
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """The chosen replica, why, and what the router expects from it."""
 
     replica_id: str
@@ -288,23 +285,59 @@ class CacheAwarePolicy(Policy):
         return candidate.recent_requests + 1 <= limit
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        total = sum(c.load for c in candidates)
-        recent = sum(c.recent_requests for c in candidates)
-        n = len(candidates)
+        """``within_bound``, ``within_request_bound`` and ``cost`` over every candidate, then the
+        cheapest within ``tie_tokens``: the same arithmetic as those methods (so the same
+        decisions, tests/test_router_policy.py holds a reference), with each candidate's
+        numbers computed once, as this runs on every request."""
+        pt, bs, decode = request.prompt_tokens, request.block_size, request.decode_tokens
+        rows = []  # (candidate, load, hit tokens of its matched blocks, of its cached blocks)
+        total = recent = held = 0
+        for c in candidates:
+            load = max(c.inflight_tokens, c.queued_tokens)
+            matched = max(c.cached_blocks, c.predicted_blocks)
+            if pt > 0:
+                hit = max(0, min(matched * bs, pt - 1))
+                hit_cached = max(0, min(c.cached_blocks * bs, pt - 1))
+            else:
+                hit = hit_cached = 0
+            rows.append((c, load, hit, hit_cached))
+            total += load
+            recent += c.recent_requests
+            held = max(held, c.cached_blocks)
+        n = len(rows)
+        grow, slack = 1.0 + self.epsilon, self.slack_tokens
+        bound = self.request_epsilon
+        request_limit = (
+            (1.0 + bound) * (recent + 1) / n + self.request_slack if bound is not None else 0.0
+        )
         eligible = [
-            c
-            for c in candidates
-            if self.within_bound(request, c, total, n) and self.within_request_bound(c, recent, n)
+            row
+            for row in rows
+            if row[1] + (w := pt - row[2] + decode) <= grow * (total + w) / n + slack
+            and (bound is None or row[0].recent_requests + 1 <= request_limit)
         ]
         if not eligible:
-            eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
-        held = max(c.cached_blocks for c in candidates)
-        costs = {c.replica_id: self.cost(request, c, held) for c in eligible}
-        best = min(costs.values())
-        tied = [c for c in eligible if costs[c.replica_id] <= best + self.tie_tokens]
-        chosen = max(
-            tied, key=lambda c: (c.matched_blocks, rendezvous(request.affinity, c.replica_id))
-        )
+            eligible = [min(rows, key=lambda row: (row[1], row[0].recent_requests))]
+        prefill_weight = self.prefill_weight
+        held_hit = max(0, min(held * bs, pt - 1)) if pt > 0 else 0
+        costs = []
+        for c, load, hit, hit_cached in eligible:
+            fetch_weight = self._fetch_weight(c)
+            fetchable = max(0, held_hit - hit) if fetch_weight is not None else 0
+            prefill = prefill_weight * (pt - hit - fetchable)
+            if fetchable:
+                prefill += (fetch_weight or 0.0) * fetchable
+            costs.append(prefill + max(0, load - (hit - hit_cached)))
+        cutoff = min(costs) + self.tie_tokens
+        tied = [row for row, cost in zip(eligible, costs) if cost <= cutoff]
+        if len(tied) == 1:
+            chosen = tied[0][0]
+        else:
+            affinity = request.affinity
+            chosen = max(
+                tied,
+                key=lambda row: (row[0].matched_blocks, rendezvous(affinity, row[0].replica_id)),
+            )[0]
         return decide(request, candidates, chosen)
 
 

@@ -9,13 +9,50 @@ Text is encoded with ``Tokenizer.encode`` and chat with ``Tokenizer.encode_chat`
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import xxhash
 
-from prefixmesh.hashing import BlockHash, block_hashes
+from prefixmesh.hashing import BlockHash, packed_block_hashes, token_bytes
 from proto import prefixmesh_pb2 as pb
 from router.discovery import GROUP_KEY, ReplicaView
+
+
+class BlockHashCache:
+    """Block hashes of recent prompts, by model, block size, salt and the exact tokens of their
+    full blocks: a prompt routed again (the same request repeated, retried or resumed, a
+    benchmark's shared prefixes) is packed but not hashed again. Least recently used first out,
+    bounded by the bytes of the packed tokens it keeps (the hashes take about as much again).
+    The lists it returns are shared: never modify them."""
+
+    def __init__(self, max_bytes: int = 8 * 2**20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str, int, bytes], list[BlockHash]] = OrderedDict()
+
+    def block_hashes(
+        self, token_ids: list[int], block_size: int, model_id: str, cache_salt: str | None
+    ) -> list[BlockHash]:
+        """``prefixmesh.hashing.block_hashes`` of the tokens, from the cache when it can."""
+        full = len(token_ids) // block_size * block_size
+        data = token_bytes(token_ids)[: 4 * full]
+        key = (model_id, cache_salt or "", block_size, data)
+        hashes = self._entries.get(key)
+        if hashes is not None:
+            self._entries.move_to_end(key)
+            return hashes
+        hashes = packed_block_hashes(data, block_size, model_id, cache_salt)
+        if len(data) <= self.max_bytes:
+            self._entries[key] = hashes
+            self.bytes += len(data)
+            while self.bytes > self.max_bytes:
+                old, _ = self._entries.popitem(last=False)
+                self.bytes -= len(old[3])
+        return hashes
+
+
+_HASHES = BlockHashCache()
 
 
 @dataclass(slots=True)
@@ -26,16 +63,19 @@ class PromptTokens:
     hashes_by_group: dict[GROUP_KEY, list[BlockHash]] = field(default_factory=dict)
 
 
-def tokenize(request: pb.GenerateRequest, view: ReplicaView) -> PromptTokens:
+def tokenize(
+    request: pb.GenerateRequest, view: ReplicaView, token_ids: list[int] | None = None
+) -> PromptTokens:
     """Prompt token ids (as replicas compute them) and the block hashes of prompt + resume
-    tokens, per model group."""
+    tokens, per model group. ``token_ids``: the request's ``token_ids.ids`` already read into
+    a list, if the caller has it (shared by every group, never modified)."""
     out = PromptTokens()
     kind = request.WhichOneof("input")
     for group in set(view.tokenizers) | set(view.model_ids):
         tokenizer = view.tokenizers.get(group)
         try:
             if kind == "token_ids":
-                ids = list(request.token_ids.ids)
+                ids = request.token_ids.ids[:] if token_ids is None else token_ids
             elif tokenizer is None:
                 continue
             elif kind == "text":
@@ -53,12 +93,12 @@ def tokenize(request: pb.GenerateRequest, view: ReplicaView) -> PromptTokens:
         except ValueError:
             continue  # the replica will reject it with a precise INVALID_ARGUMENT
         out.ids_by_group[group] = ids
-    resume = list(request.resume_token_ids)
+    resume = request.resume_token_ids[:]
     for group, ids in out.ids_by_group.items():
         model_id = view.model_ids.get(group)
         if model_id is not None:
-            out.hashes_by_group[group] = block_hashes(
-                ids + resume, group[1], model_id, request.cache_salt or None
+            out.hashes_by_group[group] = _HASHES.block_hashes(
+                ids + resume if resume else ids, group[1], model_id, request.cache_salt or None
             )
     return out
 

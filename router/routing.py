@@ -12,11 +12,11 @@ reconnect; the first successful lookup switches cache-aware routing back on.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -55,6 +55,18 @@ class NoReplicaError(RuntimeError):
     """No live replica can take the request."""
 
 
+class Bookkeeping(NamedTuple):
+    """What a decision leaves for ``Router.account``: records no later decision reads."""
+
+    lookup_s: float | None  # the map lookup's time (None: no lookup)
+    hashes: Sequence[BlockHash]  # the prompt's block hashes, for the miss attribution
+    prompt_tokens: int
+    block_size: int
+    promised_blocks: int  # leading blocks the chosen replica holds or computes
+    elsewhere_blocks: int  # the most another replica holds or computes
+    predicted: list[BlockHash]  # blocks to record as predicted in Redis (none: no write)
+
+
 @dataclass(slots=True)
 class RoutePlan:
     """One routing decision and the in-flight tokens it holds on the chosen replica."""
@@ -70,6 +82,7 @@ class RoutePlan:
     # A replica holding more of the prompt's leading blocks than the chosen one (policy.py's
     # fetch_source): sent along so the chosen replica may fetch them instead of prefilling.
     fetch_hint: pb.FetchHint | None = None
+    unaccounted: Bookkeeping | None = None  # what Router.account still has to do
 
     @property
     def awaiting_prefill(self) -> bool:
@@ -262,38 +275,20 @@ class Router:
         request: pb.GenerateRequest,
         exclude: frozenset[str] = frozenset(),
         group: GROUP_KEY | None = None,
+        token_ids: list[int] | None = None,
+        defer_bookkeeping: bool = False,
     ) -> RoutePlan:
-        """Pick a replica for ``request`` (never one in ``exclude``; only ``group`` if set)."""
-        tokens = tokenize(request, self.view)
-        groups = [
-            HashGroup(g[0], g[1], h)
-            for g, h in tokens.hashes_by_group.items()
-            if group in (None, g)
-        ]
-        matches: dict[str, ReplicaMatch] | None = None
-        if self.redis_ok:
-            start = time.perf_counter()
-            try:
-                found = await self.index.lookup(groups)
-            except (RedisError, OSError) as exc:
-                self._set_redis(False, exc)
-            else:
-                self.metrics.lookup.observe(time.perf_counter() - start)
-                if self.mirror is None:  # fresh leases; the mirror's are the refresh's
-                    self._apply(found)
-                matches = {m.replica_id: m for m in found}
-        handles = self.view.live() if matches is not None else self.view.known()
-        handles = [
-            h for h in handles
-            if h.replica_id not in exclude and (group is None or h.lease.group == group)
-        ]  # fmt: skip
-        if not handles and matches is not None:
-            # Redis lost every lease (e.g. it restarted and replicas have not re-registered).
-            handles = [h for h in self.view.known() if h.replica_id not in exclude]
-            matches = None
-        if not handles:
-            raise NoReplicaError("no live replica (none registered in Redis, or all failed)")
+        """Pick a replica for ``request`` (never one in ``exclude``; only ``group`` if set).
 
+        ``token_ids``: its ``token_ids.ids`` as a list, if the caller has already read them.
+        Everything a later decision reads (in-flight tokens, predicted entries, the recent
+        requests) is updated before this returns; with ``defer_bookkeeping`` the rest
+        (metrics, miss attribution, the predicted entries' Redis write) waits for
+        ``account(plan)``, which the caller runs once the request is on its way to the
+        replica, so that it overlaps the replica's work instead of preceding it."""
+        tokens = tokenize(request, self.view, token_ids)
+        matches, lookup_s = await self._lookup(tokens, group)
+        handles, matches = self._routable(matches, exclude, group)
         primary = self._primary_group(handles, tokens)
         ids = tokens.ids_by_group.get(primary) if primary else None
         hashes = tokens.hashes_by_group.get(primary, []) if primary else []
@@ -319,11 +314,11 @@ class Router:
         policy = self.policy if matches is not None else self._fallback
         decision = policy.choose(route_req, candidates)
         if matches is None:  # no cache index: whatever the policy thought, this is a fallback
-            decision = dataclasses.replace(decision, outcome=FALLBACK)
+            decision = decision._replace(outcome=FALLBACK)
         handle = self.view.handles[decision.replica_id]
         chosen = next(c for c in candidates if c.replica_id == decision.replica_id)
         # Blocks the replica does not report yet: it is about to compute them.
-        self._commit(handle, decision, hashes[chosen.cached_blocks :], matches)
+        new = self._commit(handle, decision, hashes[chosen.cached_blocks :])
         self.recent.add(handle.replica_id)
         plan = RoutePlan(
             handle=handle,
@@ -332,9 +327,80 @@ class Router:
             decode_tokens=decode,
             held_tokens=decision.weight_tokens,
         )
-        self._track(plan, route_req, hashes, chosen, candidates)
+        if new:  # renewed until the first token (renew_predicted)
+            self._awaiting.append((plan, new))
         plan.fetch_hint = self._fetch_hint(candidates, chosen)
+        elsewhere = max((c.matched_blocks for c in candidates if c is not chosen), default=0)
+        plan.unaccounted = Bookkeeping(
+            lookup_s, hashes, route_req.prompt_tokens, route_req.block_size,
+            chosen.matched_blocks, elsewhere, new if matches is not None else [],
+        )  # fmt: skip
+        if not defer_bookkeeping:
+            self.account(plan)
         return plan
+
+    async def _lookup(
+        self, tokens: PromptTokens, group: GROUP_KEY | None
+    ) -> tuple[dict[str, ReplicaMatch] | None, float | None]:
+        """Each live replica's match by id, and the lookup's time (None, None: no cache index,
+        Redis is unreachable)."""
+        if not self.redis_ok:
+            return None, None
+        groups = [
+            HashGroup(g[0], g[1], h)
+            for g, h in tokens.hashes_by_group.items()
+            if group in (None, g)
+        ]
+        start = time.perf_counter()
+        try:
+            found = await self.index.lookup(groups)
+        except (RedisError, OSError) as exc:
+            self._set_redis(False, exc)
+            return None, None
+        lookup_s = time.perf_counter() - start
+        if self.mirror is None:  # fresh leases; the mirror's are the refresh's
+            self._apply(found)
+        return {m.replica_id: m for m in found}, lookup_s
+
+    def _routable(
+        self,
+        matches: dict[str, ReplicaMatch] | None,
+        exclude: frozenset[str],
+        group: GROUP_KEY | None,
+    ) -> tuple[list[ReplicaHandle], dict[str, ReplicaMatch] | None]:
+        """The replicas this request may go to, and the matches (None when they are not from
+        the lookup: routing falls back to least-loaded)."""
+        handles = self.view.live() if matches is not None else self.view.known()
+        handles = [
+            h for h in handles
+            if h.replica_id not in exclude and (group is None or h.lease.group == group)
+        ]  # fmt: skip
+        if not handles and matches is not None:
+            # Redis lost every lease (e.g. it restarted and replicas have not re-registered).
+            handles = [h for h in self.view.known() if h.replica_id not in exclude]
+            matches = None
+        if not handles:
+            raise NoReplicaError("no live replica (none registered in Redis, or all failed)")
+        return handles, matches
+
+    def account(self, plan: RoutePlan) -> None:
+        """The bookkeeping ``route`` left for later (once; a no-op after): the lookup and
+        routing metrics, the request's miss attribution state, and the predicted entries'
+        Redis write for other routers (this router's own table is already updated)."""
+        work = plan.unaccounted
+        if work is None:
+            return
+        plan.unaccounted = None
+        if work.lookup_s is not None:
+            self.metrics.lookup.observe(work.lookup_s)
+        decision, replica_id = plan.decision, plan.handle.replica_id
+        self.metrics.routed(decision.outcome, replica_id, decision.predicted_cached_tokens)
+        plan.misses = self.attribution.pending(
+            work.hashes, work.prompt_tokens, work.block_size, work.promised_blocks,
+            work.elsewhere_blocks,
+        )  # fmt: skip
+        if work.predicted:
+            self._spawn(self._record(replica_id, work.predicted))
 
     def _fetch_hint(
         self, candidates: Sequence[Candidate], chosen: Candidate
@@ -348,25 +414,11 @@ class Router:
             num_blocks=source.cached_blocks,
         )
 
-    def _track(
-        self,
-        plan: RoutePlan,
-        request: RouteRequest,
-        hashes: Sequence[BlockHash],
-        chosen: Candidate,
-        candidates: Sequence[Candidate],
-    ) -> None:
-        """Miss attribution state for the plan, and its predicted blocks to renew until its
-        first token."""
-        elsewhere = max((c.matched_blocks for c in candidates if c is not chosen), default=0)
-        plan.misses = self.attribution.pending(
-            hashes, request.prompt_tokens, request.block_size, chosen.matched_blocks, elsewhere
-        )
-        if len(hashes) > chosen.cached_blocks:
-            self._awaiting.append((plan, list(hashes[chosen.cached_blocks :])))
-
     @staticmethod
     def _primary_group(handles: Sequence[ReplicaHandle], tokens: PromptTokens) -> GROUP_KEY | None:
+        if len(tokens.ids_by_group) == 1:  # one model and block size: the usual cluster
+            (only,) = tokens.ids_by_group
+            return only if any(h.lease.group == only for h in handles) else None
         counts: dict[GROUP_KEY, int] = {}
         for h in handles:
             if h.lease.group in tokens.ids_by_group:
@@ -380,22 +432,18 @@ class Router:
         hashes: Sequence[BlockHash],
         primary: GROUP_KEY | None,
     ) -> Candidate:
-        match = matches.get(handle.replica_id) if matches else None
-        same_group = handle.lease.group == primary
+        rid, lease = handle.replica_id, handle.lease
+        match = matches.get(rid) if matches else None
+        same_group = lease.group == primary
         cached = match.cached_blocks if match and same_group else 0
         predicted = match.predicted_blocks if match and same_group else 0
-        if same_group:
-            predicted = max(predicted, self._local_predicted(handle.replica_id, hashes, cached))
+        if same_group and rid in self._predicted:
+            predicted = max(predicted, self._local_predicted(rid, hashes, cached))
         other = match.other_inflight_tokens if match else handle.other_inflight_tokens
         return Candidate(
-            replica_id=handle.replica_id,
-            cached_blocks=cached,
-            predicted_blocks=predicted,
-            inflight_tokens=max(0, handle.inflight_tokens) + other,
-            queued_tokens=handle.lease.queued_tokens,
-            recent_requests=self.recent.count(handle.replica_id),
-            fetch_cost=handle.lease.fetch_cost if handle.lease.fetch_cost >= 0 else None,
-        )
+            rid, cached, predicted, max(0, handle.inflight_tokens) + other, lease.queued_tokens,
+            self.recent.count(rid), lease.fetch_cost if lease.fetch_cost >= 0 else None,
+        )  # fmt: skip
 
     def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:
         entries = self._predicted.get(replica_id)
@@ -407,25 +455,20 @@ class Router:
         return matched
 
     def _commit(
-        self,
-        handle: ReplicaHandle,
-        decision: Decision,
-        hashes: Sequence[BlockHash],
-        matches: dict[str, ReplicaMatch] | None,
-    ) -> None:
+        self, handle: ReplicaHandle, decision: Decision, hashes: Sequence[BlockHash]
+    ) -> list[BlockHash]:
+        """The decision's load and predicted blocks (``hashes``), which the next decision
+        reads; returns those blocks (empty for a full hit: nothing to predict)."""
         handle.inflight_tokens += decision.weight_tokens
         handle.inflight_requests += 1
         handle.stats.requests += 1
-        self.metrics.routed(decision.outcome, handle.replica_id, decision.predicted_cached_tokens)
         new = list(hashes)
-        if not new:
-            return  # a full hit: nothing to predict, no Redis write
-        expiry = time.monotonic() + self.config.predicted_ttl_ms / 1000
-        entries = self._predicted.setdefault(handle.replica_id, {})
-        for h in new:
-            entries[h] = expiry
-        if matches is not None:
-            self._spawn(self._record(handle.replica_id, new))
+        if new:
+            expiry = time.monotonic() + self.config.predicted_ttl_ms / 1000
+            entries = self._predicted.setdefault(handle.replica_id, {})
+            for h in new:
+                entries[h] = expiry
+        return new
 
     async def _record(self, replica_id: str, hashes: list[BlockHash]) -> None:
         try:

@@ -44,7 +44,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     """``Generate`` routed to a replica, streamed back with failover."""
 
     def __init__(self, forwarder: Forwarder) -> None:
-        # The forwarder's async generator is the handler itself: no extra hop per message.
+        # The forwarder is the handler itself (a coroutine writing each message): no extra hop.
         self.Generate = forwarder.generate  # type: ignore[method-assign]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from router.policy import (
@@ -13,13 +15,16 @@ from router.policy import (
     WARM,
     CacheAwarePolicy,
     Candidate,
+    Decision,
     LeastLoadedPolicy,
     RandomPolicy,
     RoundRobinPolicy,
     RouteRequest,
+    decide,
     fetch_knob,
     hit_tokens,
     make_policy,
+    rendezvous,
     weight,
 )
 
@@ -230,6 +235,73 @@ def test_fetch_weight_prices_a_prefix_held_elsewhere_as_a_fetch() -> None:
     assert fetching.cost(request, idle, held_blocks=63) == 8 * 16 + 1008
     assert fetching.choose(request, [warm, idle]).replica_id == "idle"
     assert make_policy("cache_aware").fetch_weight is None  # off unless asked for
+
+
+def _reference_choose(policy: CacheAwarePolicy, request: RouteRequest, candidates) -> Decision:
+    """CacheAwarePolicy.choose as first written, from its public pieces: the fast version must
+    decide exactly as this does."""
+    total = sum(c.load for c in candidates)
+    recent = sum(c.recent_requests for c in candidates)
+    n = len(candidates)
+    eligible = [
+        c
+        for c in candidates
+        if policy.within_bound(request, c, total, n) and policy.within_request_bound(c, recent, n)
+    ]
+    if not eligible:
+        eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
+    held = max(c.cached_blocks for c in candidates)
+    costs = {c.replica_id: policy.cost(request, c, held) for c in eligible}
+    best = min(costs.values())
+    tied = [c for c in eligible if costs[c.replica_id] <= best + policy.tie_tokens]
+    chosen = max(tied, key=lambda c: (c.matched_blocks, rendezvous(request.affinity, c.replica_id)))
+    return decide(request, candidates, chosen)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
+    """Random clusters (loads near the bounds, ties, untokenized requests, fetch pricing, the
+    request bound): every decision equals the straightforward implementation's."""
+    rng = random.Random(seed)
+    policies = [
+        CacheAwarePolicy(),
+        CacheAwarePolicy(epsilon=0.2, slack_tokens=0, tie_tokens=0, prefill_weight=8.0),
+        CacheAwarePolicy(
+            epsilon=1.0,
+            slack_tokens=512,
+            tie_tokens=64,
+            prefill_weight=8.0,
+            request_epsilon=0.1,
+            request_slack=2,
+        ),  # fmt: skip
+        CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_weight=1.0),
+        CacheAwarePolicy(epsilon=0.0, slack_tokens=0, request_epsilon=0.0, fetch_weight=0.0),
+        CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_auto=True),
+    ]
+    for _ in range(400):
+        prompt = rng.choice([0, 1, 15, 16, 17, 64, 320, 1024])
+        request = RouteRequest(prompt, prompt // BS, BS, rng.choice([1, 16, 256]),
+                               rng.randbytes(rng.choice([0, 16])))  # fmt: skip
+        candidates = []
+        for i in range(rng.randint(1, 5)):
+            cached = rng.choice([0, 0, 1, prompt // BS, prompt // BS + 2, rng.randint(0, 70)])
+            predicted = rng.choice([0, cached, cached + rng.randint(0, 8)])
+            load = rng.choice([0, 0, 16, 100, 500, 3000])
+            candidates.append(
+                Candidate(
+                    f"r{i}",
+                    cached,
+                    predicted,
+                    load + rng.randint(-1, 1) * load // 3,
+                    rng.choice([0, load]),
+                    rng.randint(0, 40),
+                    rng.choice([None, 0.125, 0.5, 3.0]),
+                )
+            )
+        for policy in policies:
+            assert policy.choose(request, candidates) == _reference_choose(
+                policy, request, candidates
+            ), (policy.__dict__, request, candidates)
 
 
 def test_auto_fetch_weight_is_each_replicas_measured_fetch_cost() -> None:

@@ -69,3 +69,54 @@ def test_without_a_tokenizer_only_token_ids_are_routable() -> None:
     assert tokenize(pb.GenerateRequest(text="hello"), view).ids_by_group == {}
     ids = tokenize(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, 4])), view)
     assert ids.hashes_by_group[GROUP] == block_hashes([1, 2, 3, 4], 4, GROUP[0])
+
+
+def test_token_ids_read_by_the_caller_give_the_same_prompt_and_hashes() -> None:
+    """The forwarder reads a request's token ids once and passes them along: the same ids and
+    hashes as reading them here, with or without resume tokens and salt; the bounds check on
+    them (negative ids) is the same too."""
+    from prefixmesh.limits import RequestLimits, check_request
+
+    view = view_with(None)
+    for resume, salt in (([], ""), ([7, 8, 9, 10, 11], "tenant-a")):
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=list(range(3, 40))), resume_token_ids=resume, cache_salt=salt
+        )
+        ids = request.token_ids.ids[:]
+        passed, read = tokenize(request, view, ids), tokenize(request, view)
+        assert passed.ids_by_group == read.ids_by_group and passed.ids_by_group[GROUP] == ids
+        assert passed.hashes_by_group == read.hashes_by_group
+        assert passed.hashes_by_group[GROUP] == block_hashes(
+            ids + resume, GROUP[1], GROUP[0], salt or None
+        )
+        check_request(request, RequestLimits(), token_ids=ids)
+    bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, -2, 3]))
+    for token_ids in (None, bad.token_ids.ids[:]):
+        with pytest.raises(ValueError, match=r"token_ids.ids\[1\] must be a token id >= 0"):
+            check_request(bad, RequestLimits(), token_ids=token_ids)
+
+
+def test_block_hash_cache_returns_what_hashing_computes() -> None:
+    """Hits and misses alike equal prefixmesh.hashing.block_hashes (model, block size, salt and
+    every token of the full blocks are the key; a partial last block is not), and the cache
+    stays within its byte bound, oldest out first."""
+    import random
+
+    from router.prompt import BlockHashCache
+
+    rng = random.Random(0)
+    cache = BlockHashCache(max_bytes=4096)
+    prompts = [[rng.randrange(50_000) for _ in range(rng.randrange(0, 300))] for _ in range(20)]
+    for _ in range(400):
+        ids = list(rng.choice(prompts))
+        if ids and rng.random() < 0.3:
+            ids[rng.randrange(len(ids))] += 1  # one token differs
+        if rng.random() < 0.3:
+            ids += [7] * rng.randrange(1, 4)  # a different partial block
+        block_size, model = rng.choice([4, 16]), rng.choice(["m1", "m2"])
+        salt = rng.choice([None, "", "tenant"])
+        want = block_hashes(ids, block_size, model, salt)
+        assert cache.block_hashes(ids, block_size, model, salt) == want
+        assert cache.block_hashes(ids, block_size, model, salt) == want  # now a hit
+        assert cache.bytes <= cache.max_bytes
+    assert cache.bytes == sum(len(key[3]) for key in cache._entries)

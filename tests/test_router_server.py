@@ -581,3 +581,53 @@ def test_request_sent_past_the_holder_names_it_as_fetch_hint(redis_server: str) 
             assert all(r.received[-1].fetch_hint.address != bogus.address for r in c.replicas)
 
     asyncio.run(scenario())
+
+
+def test_bookkeeping_waits_for_account_and_runs_once(redis_server: str) -> None:
+    """route(defer_bookkeeping=True) commits what the next decision reads at once (load,
+    predicted blocks, recent requests) and leaves metrics and miss attribution to account(),
+    which the forwarder runs behind the upstream send; through the server nothing is lost."""
+
+    async def scenario() -> None:
+        async with cluster(redis_server, map_source="mirror") as c:
+            r = c.router.router
+            prefix = list(range(100, 132))  # 8 blocks of 4
+            responses = await c.generate(prefix + [1])
+            assert responses[-1].finish_reason == "length"
+            state = await c.cluster.ListReplicas(pb.Empty())
+            assert state.routing.requests == 1 and r.metrics.window.requests == 1
+            assert state.routing.misses["cacheable"] == 8  # settled before the stream ended
+
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prefix + [2]), sampling=pb.SamplingParams(max_tokens=1)
+            )
+            plan = await r.route(request, defer_bookkeeping=True)
+            assert plan.handle.inflight_requests == 1 and len(r.recent) == 2
+            assert r.metrics.window.requests == 1 and plan.misses is None
+            r.account(plan)
+            r.account(plan)  # a no-op the second time
+            assert r.metrics.window.requests == 2 and plan.misses is not None
+            assert plan.misses.seen_blocks == 8
+            plan.release()
+            assert plan.handle.inflight_requests == 0
+
+    asyncio.run(scenario())
+
+
+def test_router_bench_runs_a_baseline_checkout_in_the_same_rotation(tmp_path: Path) -> None:
+    """``python -m router.bench --baseline DIR`` (here: this checkout against itself) reports
+    the baseline router's overhead and histograms beside the router under test."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.bench", "--map-source", "mirror", "--requests", "5",
+         "--seconds", "0.2", "--concurrency", "2", "--baseline", str(ROOT), "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    import json
+
+    result = json.loads(out.read_text())["map_sources"]["mirror"]
+    for key in ("overhead_p50_ms", "baseline_overhead_p50_ms", "baseline_router_internal_p50_ms",
+                "cpu_ms_per_request_baseline"):  # fmt: skip
+        assert key in result and result[key] == result[key], key  # present, not NaN
+    assert "| mirror, --baseline |" in proc.stdout
