@@ -42,7 +42,13 @@ import grpc
 
 from prefixmesh.limits import RequestLimits, abort_busy, check_request, retry_metadata
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
-from prefixmesh.tenants import TenantBusy, TenantLimiter, Ticket, tenant_of_call
+from prefixmesh.tenants import (
+    TENANT_METADATA,
+    TenantBusy,
+    TenantLimiter,
+    Ticket,
+    tenant_of_call,
+)
 from proto import prefixmesh_pb2 as pb
 from router.discovery import GROUP_KEY, ReplicaHandle
 from router.routing import NoReplicaError, RoutePlan, Router
@@ -109,13 +115,17 @@ class Forwarder:
             self.metrics.error("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         ticket: Ticket | None = None
+        # Counted here, and named to the replica: behind the router every call carries the
+        # router's key, so the replica's caps and fair shares would see one tenant otherwise.
+        tenant = tenant_of_call(request.cache_salt, context)
+        metadata = (*(self.router.view.metadata or ()), (TENANT_METADATA, tenant))
         if self.tenants is not None:
             try:
-                ticket = self.tenants.admit(tenant_of_call(request.cache_salt, context))
+                ticket = self.tenants.admit(tenant)
             except TenantBusy as exc:
                 self.metrics.error("RESOURCE_EXHAUSTED")
                 await abort_busy(context, str(exc), self.limits.retry_after_s)
-        stream = self._generate(request, context, ticket, ids)
+        stream = self._generate(request, context, ticket, ids, metadata)
         try:
             async for msg in stream:
                 await context.write(msg)
@@ -130,6 +140,7 @@ class Forwarder:
         context: grpc.aio.ServicerContext,
         ticket: Ticket | None,
         token_ids: list[int] | None = None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
         if not request.request_id:
@@ -153,7 +164,7 @@ class Forwarder:
             if ticket is not None and tries == 1:
                 await self._queue_tokens(ticket, plan, context)
             handle = plan.handle
-            call = self._call(attempt, plan, context, arrival if tries == 1 else None)
+            call = self._call(attempt, plan, context, arrival if tries == 1 else None, metadata)
             try:
                 async for resp in call:
                     ttft = None if progress.streamed else self._first(progress, ticket, arrival)
@@ -231,6 +242,7 @@ class Forwarder:
         plan: RoutePlan,
         context: grpc.aio.ServicerContext,
         arrival: float | None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> grpc.aio.UnaryStreamCall:
         """The upstream call. gRPC sends the request from a task it has just queued; the
         routing's bookkeeping is queued behind that task (``_after_send``), so it overlaps the
@@ -238,7 +250,7 @@ class Forwarder:
         try:
             return plan.handle.generator.Generate(
                 _with_hint(attempt.request, plan), timeout=context.time_remaining(),
-                metadata=self.router.view.metadata,
+                metadata=self.router.view.metadata if metadata is None else metadata,
             )  # fmt: skip
         finally:
             overhead = None if arrival is None else time.perf_counter() - arrival

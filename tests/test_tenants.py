@@ -95,17 +95,20 @@ def cluster(tiny_model_dir: Path) -> Iterator[MiniCluster]:
     c.stop()
 
 
-async def _burst(address: str, salts: list[str]) -> list[grpc.StatusCode]:
+async def _burst(address: str, salts: list[str], by_key: bool = False) -> list[grpc.StatusCode]:
+    """One request per entry at once; ``by_key``: the entry is the caller's bearer token (an
+    API-key tenant, no cache_salt) instead of its cache_salt."""
     async with grpc.aio.insecure_channel(address) as ch:
         stub = pb_grpc.GeneratorStub(ch)
 
         async def one(i: int, salt: str) -> grpc.StatusCode:
             request = pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=[5 + i] * 24), cache_salt=salt,
+                token_ids=pb.TokenIds(ids=[5 + i] * 24), cache_salt="" if by_key else salt,
                 sampling=pb.SamplingParams(max_tokens=100, temperature=0, ignore_eos=True),
             )  # fmt: skip
+            metadata = (("authorization", f"Bearer {salt}"),) if by_key else None
             try:
-                async for _ in stub.Generate(request, timeout=120):
+                async for _ in stub.Generate(request, timeout=120, metadata=metadata):
                     pass
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
@@ -131,5 +134,25 @@ def test_flooding_tenant_is_capped_and_the_other_is_served(cluster: MiniCluster,
     line = f'prefixmesh_tenant_rejections_total{{reason="concurrent",tenant="{flood_tenant}"}}'
     assert line in metrics, metrics[-2000:]
     assert tenant_of("calm") not in metrics.split("prefixmesh_tenant_rejections_total", 1)[1]
+    state = cluster.wait_idle()
+    assert state.integrity_ok, state.integrity_error
+
+
+@pytest.mark.cluster
+def test_api_key_tenants_behind_the_router_are_told_apart_by_the_replica(cluster: MiniCluster):
+    # No cache_salt: the tenant is the caller's key. The replica sees every call with the
+    # router's credentials, so only the tenant the router names (x-prefixmesh-tenant) keeps
+    # the calm tenant's requests clear of the flood's share of the replica's caps.
+    keys = ["flood-key"] * 8 + ["calm-key"] * CAP
+    codes = asyncio.run(_burst(cluster.router_grpc, keys, by_key=True))
+    flood, calm = codes[:8], codes[8:]
+    assert calm == [grpc.StatusCode.OK] * CAP, calm
+    assert flood.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 8 - CAP, flood
+    with urllib.request.urlopen(f"http://{cluster.replica_http}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert (
+        tenant_of("", "Bearer calm-key")
+        not in metrics.split("prefixmesh_tenant_rejections_total", 1)[1]
+    )
     state = cluster.wait_idle()
     assert state.integrity_ok, state.integrity_error
