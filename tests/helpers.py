@@ -100,6 +100,22 @@ class Proc:
             print(f"--- {self.name} ---\n{self.logs(100_000)}")
 
 
+def run_under_cap(script: str, args: Sequence[str], cap: str, cwd: Path) -> dict:
+    """Run ``python -c script *args`` in a fresh process with the ISA capped to ``cap`` (our
+    flags and oneDNN's and ATen's own, ``cpu_flags.torch_env``) and return the JSON it prints
+    after ``RESULT``."""
+    from kernels import cpu_flags
+
+    env = {**os.environ, **cpu_flags.torch_env(cap)}
+    run = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
 def wait_until(
     procs: Sequence[Proc], ready: Callable[[], bool], what: str, timeout: float = 180.0
 ) -> None:

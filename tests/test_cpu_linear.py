@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_under_cap
 
 from kernels import cpu_flags, cpu_linear
 
@@ -98,14 +95,7 @@ def test_invariant_linear_gives_a_row_the_same_bits_in_any_batch(cap, dtype):
     (a few elements per 10^4 once a call has more than 32 rows), which made a bfloat16
     prefix-cache hit pick other tokens than a cold run. A fresh process per cap, with oneDNN
     and ATen capped too, so every kind of CPU the project runs on is checked here."""
-    env = {**os.environ, **cpu_flags.torch_env(cap)}
-    run = subprocess.run(
-        [sys.executable, "-c", _INVARIANCE, dtype],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT"))
-    result = json.loads(line[len("RESULT") :])
+    result = run_under_cap(_INVARIANCE, [dtype], cap, ROOT)
     assert result["isa"] == cap
     assert result["broken"] == []
     print(f"{cap} {dtype}: plain oneDNN matmul, elements differing by batch: "

@@ -8,12 +8,10 @@ that breaks another machine's build fails here too.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
 import subprocess
-import sys
 import sysconfig
 import textwrap
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_under_cap
 from test_kernels import Case, check_close
 
 from kernels import cpu_flags, cpu_ops
@@ -396,14 +395,7 @@ def test_the_engine_under_every_cap_this_machine_supports(tiny_model_dir, cap, d
     # runs as it would on that kind of machine, and its fused kernels compute what the torch
     # path computes: the same greedy tokens in float32, log-probabilities within bfloat16's
     # rounding in bfloat16.
-    env = {**os.environ, **cpu_flags.torch_env(cap)}
-    run = subprocess.run(
-        [sys.executable, "-c", _UNDER_CAP, str(tiny_model_dir), dtype],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT"))
-    result = json.loads(line[len("RESULT") :])
+    result = run_under_cap(_UNDER_CAP, [str(tiny_model_dir), dtype], cap, ROOT)
     assert result["isa"] == cap
     assert result["kernel1"].startswith(cpu_ops.build_isa(cap)) and result["kernel0"] is None
     # The dtype default follows the cap: never bfloat16 below AVX-512.

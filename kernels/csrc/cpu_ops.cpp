@@ -213,6 +213,18 @@ inline void weigh_values(const float* scores, const float* inv_sum, const T* vc,
   }
 }
 
+// Softmax numerators in place over a row of whole vectors (padded with -inf) whose largest
+// value is known; returns 1 / their sum.
+template <typename T>
+inline float softmax_row_padded(float* s, int64_t stride, float max) {
+  fVec sum(0.f);
+  const fVec mv(max);
+  for (int64_t t = 0; t < stride; t += W) {
+    const fVec e = exp_for<T>(fVec::loadu(s + t) - mv);
+    e.store(s + t);
+    sum = sum + e;
+  }
+
 // Softmax numerators in place of a row's first `len` scores, taken over whole vectors: the
 // scores from len up to `padded` (len rounded up to the vector width, within the row) are set
 // to -inf first, so their numerators are 0 and no element is left to a scalar tail. A row of a
@@ -226,14 +238,7 @@ inline float softmax_padded(float* s, int64_t len, int64_t padded) {
   for (int64_t t = 0; t < padded; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
   const float m = at::vec::vec_reduce_all<float>(
       [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, mx);
-  fVec sum(0.f);
-  const fVec mv(m);
-  for (int64_t t = 0; t < padded; t += W) {
-    const fVec e = exp_for<T>(fVec::loadu(s + t) - mv);
-    e.store(s + t);
-    sum = sum + e;
-  }
-  return 1.f / hsum(sum);
+  return softmax_row_padded<T>(s, padded, m);
 }
 
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
@@ -396,17 +401,6 @@ void score_by_tiles(Tiles& tiles, const bf16* kc, const int32_t* table, int64_t 
   }
 }
 
-// Softmax numerators in place over a row of whole vectors (padded with -inf) whose largest
-// value is known; returns 1 / their sum.
-template <typename T>
-inline float softmax_row_padded(float* s, int64_t stride, float max) {
-  fVec sum(0.f);
-  const fVec mv(max);
-  for (int64_t t = 0; t < stride; t += W) {
-    const fVec e = exp_for<T>(fVec::loadu(s + t) - mv);
-    e.store(s + t);
-    sum = sum + e;
-  }
   return 1.f / hsum(sum);
 }
 
