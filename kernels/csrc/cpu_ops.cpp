@@ -224,6 +224,8 @@ inline float softmax_row_padded(float* s, int64_t stride, float max) {
     e.store(s + t);
     sum = sum + e;
   }
+  return 1.f / hsum(sum);
+}
 
 // Softmax numerators in place of a row's first `len` scores, taken over whole vectors: the
 // scores from len up to `padded` (len rounded up to the vector width, within the row) are set
@@ -399,9 +401,6 @@ void score_by_tiles(Tiles& tiles, const bf16* kc, const int32_t* table, int64_t 
       }
     }
   }
-}
-
-  return 1.f / hsum(sum);
 }
 
 // The rest of attend_item for one sequence when its scores come from tiles.
