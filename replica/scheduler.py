@@ -158,7 +158,8 @@ class Scheduler:
         budget = self._schedule_running(budget, shares, planned, out, deferred)
         # Prompt blocks running sequences are prefilling: a waiting sequence that needs them
         # next sits this step out (its id goes to ``waits``) rather than compute them again.
-        inflight = self._inflight_blocks(self.running)
+        wait = self.config.wait_for_inflight_prefix
+        inflight = self._inflight_blocks(self.running) if wait else set()
         waits: set[int] = set()
         # Admit waiting sequences only when no running one had to be preempted this step.
         if shares is None:
@@ -263,7 +264,7 @@ class Scheduler:
             seq = self._next_waiting(shares, head_only, waits)
             if seq is None:
                 break
-            if wait and inflight and not seq.host_blocks and self._prefix_in_flight(seq, inflight):
+            if inflight and not seq.host_blocks and self._prefix_in_flight(seq, inflight):
                 waits.add(seq.seq_id)
                 continue
             if len(self.running) >= self.config.max_num_seqs:
