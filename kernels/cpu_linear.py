@@ -25,25 +25,92 @@ larger matmuls being cut up (docs/benchmarks.md, "Batch-invariant mode"). bfloat
 (oneDNN's AVX-512 kernels, or dense ``F.linear`` under AVX2) measured invariant as it is; the tiles
 are harmless there.
 ``tests/test_cpu_linear.py`` checks the property on every ISA the machine runs.
+
+**bfloat16 on AVX-512 BF16 without AMX.** There oneDNN's bfloat16 kernels stream the weights at
+15-33 GB/s at decode-sized batches and reach 640-820 GFLOP/s at 64 rows; our own GEMM on the
+pair dot product ``vdpbf16ps`` (kernels/csrc/pair_gemm.cpp) runs the same shapes 1.2-1.8x
+faster, at ~900 GFLOP/s from 64 rows up (docs/benchmarks.md). ``pack`` packs bfloat16 weights
+for it where ``PREFIXMESH_BF16_GEMM`` (``auto``, the default) finds the instruction and no AMX
+(oneDNN's AMX kernels run large batches faster than the unit's peak); ``pairs`` asks for it
+wherever the shapes allow, emulated in plain C++ where the CPU lacks the instruction;
+``emulated`` always emulates it (tests, on any CPU); ``onednn`` never. Its rows are summed in one order whatever the batch, so it is batch-invariant
+as it is.
 """
 
 from __future__ import annotations
 
 import os
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_flags
 
 BATCH_HINT = 64
 # Rows per oneDNN call in batch-invariant mode: calls of 1 to 32 rows all block the same way.
 INVARIANT_ROWS = 32
 
 
+GEMM_ENV = "PREFIXMESH_BF16_GEMM"
+GEMM_MODES = ("auto", "pairs", "emulated", "onednn")
+
+
+class PairPacked(NamedTuple):
+    """A bfloat16 ``[out, in]`` weight packed for the pair-dot-product GEMM."""
+
+    packed: torch.Tensor  # [out / 16, in / 2, 32]
+    ops: ModuleType  # the kernels module that multiplies it (kernels/cpu_ops.py)
+    emulate: bool  # plain C++ sums: the CPU has no vdpbf16ps
+
+
+def bf16_gemm_mode() -> str:
+    """``PREFIXMESH_BF16_GEMM``: which GEMM bfloat16 weights are packed for (module docstring)."""
+    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if mode not in GEMM_MODES:
+        raise ValueError(f"{GEMM_ENV} must be one of {', '.join(GEMM_MODES)} (got {mode!r})")
+    return mode
+
+
+def pack_pairs(weight: torch.Tensor, mode: str | None = None) -> PairPacked | None:
+    """``weight`` packed for the pair GEMM when ``mode`` (default: the environment's) asks for
+    it here, else ``None``."""
+    mode = mode or bf16_gemm_mode()
+    n, k = weight.shape
+    if (
+        mode == "onednn"
+        or weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or n % 16
+        or k % 2
+    ):
+        return None
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        return None
+    hardware = ops.pairs_hardware() and mode != "emulated"
+    if mode == "auto":
+        flags = cpu_flags.cpu_flags() or frozenset()
+        if not hardware or "avx512_bf16" not in flags or "amx_bf16" in flags:
+            return None
+    return PairPacked(ops.pack_pairs(weight), ops, emulate=not hardware)
+
+
 def enabled() -> bool:
     return os.environ.get("PREFIXMESH_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor) -> torch.Tensor | PairPacked:
+    """``weight`` ([out, in]) packed for the fastest GEMM here that can multiply it: the pair
+    GEMM (bfloat16, see the module docstring), oneDNN's layout, or as is."""
+    pairs = pack_pairs(weight)
+    return pairs if pairs is not None else pack_onednn(weight)
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([out, in]) in oneDNN's layout when oneDNN can multiply it here, else as is."""
     if weight.device.type != "cpu" or not enabled():
         return weight
@@ -61,12 +128,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | PairPacked,
     bias: torch.Tensor | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for a weight from ``pack`` (packed or not). ``invariant``: each
     row's result bit for bit independent of the other rows (module docstring)."""
+    if isinstance(weight, PairPacked):  # invariant as it is
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return weight.ops.pairs_linear(x, weight.packed, bias, weight.emulate)
     if weight.is_mkldnn:
         rows = x.shape[0]
         if not invariant:

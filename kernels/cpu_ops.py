@@ -28,6 +28,8 @@ from kernels.cpu_flags import ISA_LEVELS, cpu_isa
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# Compiled into the same module: the bfloat16 linear layers on AVX-512 BF16 (kernels/cpu_linear.py).
+SOURCES = (SOURCE, SOURCE.parent / "pair_gemm.cpp")
 _X86 = platform.machine() in ("x86_64", "AMD64")
 _COMMON_X86 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"]
 # What ATen passes when it compiles its own kernels for each capability.
@@ -88,13 +90,13 @@ def _build(target: str) -> ModuleType | None:
         # and two checkouts on one machine do not rebuild over each other (torch's builder
         # recompiles whenever the source's path in its build file changes).
         flags = ["-O3", "-fopenmp", *BUILD_FLAGS[target]]
-        key = f"{SOURCE.resolve()}\n{SOURCE.read_text()}{' '.join(flags)}"
+        key = "".join(f"{src.resolve()}\n{src.read_text()}" for src in SOURCES) + " ".join(flags)
         digest = hashlib.sha1(key.encode()).hexdigest()[:12]
         name = f"prefixmesh_cpu_ops_{target}_{digest}"
         _clear_stale_lock(name)
         return load_extension(
             name,
-            sources=[str(SOURCE)],
+            sources=[str(src) for src in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             verbose=False,

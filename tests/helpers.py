@@ -249,3 +249,14 @@ def make_tiny_model_dir(
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+def pair_modes() -> list[str]:
+    """The pair GEMM's paths this machine runs (``PREFIXMESH_BF16_GEMM`` values): the plain C++
+    emulation everywhere the kernels build, the vdpbf16ps one where the CPU has it."""
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        return []
+    return ["emulated", "pairs"] if ops.pairs_hardware() else ["emulated"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_under_cap
+from helpers import pair_modes, run_under_cap
 
 from kernels import cpu_flags, cpu_linear
 
@@ -100,3 +100,126 @@ def test_invariant_linear_gives_a_row_the_same_bits_in_any_batch(cap, dtype):
     assert result["broken"] == []
     print(f"{cap} {dtype}: plain oneDNN matmul, elements differing by batch: "
           f"{result['plain_broken']}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the pair GEMM
+# kernels/csrc/pair_gemm.cpp: bfloat16 weights packed for vdpbf16ps. The emulated path runs on
+# every CPU; the instruction's path wherever this build and CPU have it.
+PAIR_MODES = pair_modes()
+
+
+def _pairs(weight: torch.Tensor, mode: str) -> cpu_linear.PairPacked:
+    packed = cpu_linear.pack_pairs(weight, mode)
+    assert isinstance(packed, cpu_linear.PairPacked)
+    assert packed.emulate == (mode == "emulated")
+    return packed
+
+
+@pytest.mark.parametrize("mode", PAIR_MODES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 13, 64])
+# 1, 2, 3 and 5 blocks of 16 features: items of 1, 2 and 3 blocks; in features from one pair up.
+@pytest.mark.parametrize("out_in", [(16, 2), (32, 96), (48, 96), (80, 34), (960, 576)])
+def test_pair_gemm_matches_the_float64_product(mode, with_bias, rows, out_in):
+    n, k = out_in
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    got = cpu_linear.linear(x, _pairs(w, mode), b)
+    want = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    # One rounding to bfloat16 (2^-8 relative) on top of float32 sums.
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3 * (k**0.5))
+
+
+@pytest.mark.parametrize("mode", PAIR_MODES)
+def test_pair_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(mode):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 576, generator=gen).bfloat16()
+    packed = _pairs((torch.randn(960, 576, generator=gen) * 0.05).bfloat16(), mode)
+    full = cpu_linear.linear(x, packed)
+    for a, b in [(0, 1), (3, 11), (9, 70), (69, 70), (0, 64)]:
+        assert torch.equal(cpu_linear.linear(x[a:b], packed), full[a:b]), (a, b)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(cpu_linear.linear(x, packed), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif("pairs" not in PAIR_MODES, reason="this build or CPU has no vdpbf16ps")
+def test_hardware_pairs_agree_with_the_emulation():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(21, 1536, generator=gen).bfloat16()
+    w = (torch.randn(576, 1536, generator=gen) * 0.05).bfloat16()
+    hw = cpu_linear.linear(x, _pairs(w, "pairs")).float()
+    emulated = cpu_linear.linear(x, _pairs(w, "emulated")).float()
+    # The same sums up to float32 rounding: at most one bfloat16 step apart.
+    torch.testing.assert_close(hw, emulated, rtol=2**-7, atol=1e-4)
+
+
+def test_pair_gemm_strided_rows_and_empty_batches():
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(32, 64, generator=gen) * 0.1).bfloat16()
+    packed = _pairs(w, "emulated")
+    wide = torch.randn(5, 100, generator=gen).bfloat16()
+    x = wide[:, 10:74]  # rows 100 apart
+    torch.testing.assert_close(
+        cpu_linear.linear(x, packed), cpu_linear.linear(x.contiguous(), packed), rtol=0, atol=0
+    )
+    assert cpu_linear.linear(x[:0], packed).shape == (0, 32)
+
+
+def test_pack_pairs_takes_only_what_it_can_multiply():
+    bf = torch.randn(32, 64).bfloat16()
+    assert cpu_linear.pack_pairs(bf.float(), "pairs") is None  # float32: oneDNN's
+    assert cpu_linear.pack_pairs(torch.randn(40, 64).bfloat16(), "pairs") is None  # 40 % 16
+    assert cpu_linear.pack_pairs(torch.randn(32, 63).bfloat16(), "pairs") is None  # odd inputs
+    assert cpu_linear.pack_pairs(bf, "onednn") is None
+    from kernels import cpu_ops
+
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_ops.load().pack_pairs(torch.randn(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        cpu_ops.load().pairs_linear(torch.randn(2, 32).bfloat16(), _pairs(bf, "emulated").packed)
+
+
+class _FakeOps:
+    def __init__(self, hardware: bool) -> None:
+        self.hardware = hardware
+
+    def pairs_hardware(self) -> bool:
+        return self.hardware
+
+    def pack_pairs(self, weight):
+        return weight
+
+
+@pytest.mark.parametrize(
+    ("flags", "hardware", "mode", "expected"),
+    [
+        ({"avx512f", "avx512_bf16"}, True, "auto", "hardware"),  # Zen 4/5, Cooper Lake
+        ({"avx512f", "avx512_bf16", "amx_bf16"}, True, "auto", None),  # AMX: oneDNN's tiles
+        ({"avx512f"}, True, "auto", None),  # no bf16 dot products
+        ({"avx512f", "avx512_bf16"}, False, "auto", None),  # a build without the path
+        ({"avx2"}, False, "pairs", "emulated"),
+        ({"avx512f", "avx512_bf16"}, True, "emulated", "emulated"),
+        ({"avx512f", "avx512_bf16"}, True, "onednn", None),
+    ],
+)
+def test_bf16_gemm_choice(monkeypatch, flags, hardware, mode, expected):
+    from kernels import cpu_ops
+
+    monkeypatch.setattr(cpu_flags, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_ops, "load", lambda: _FakeOps(hardware))
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, mode)
+    got = cpu_linear.pack_pairs(torch.zeros(32, 64, dtype=torch.bfloat16))
+    assert (None if got is None else ("emulated" if got.emulate else "hardware")) == expected
+
+
+def test_bf16_gemm_mode_names_the_allowed_values(monkeypatch):
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="auto, pairs, emulated, onednn"):
+        cpu_linear.bf16_gemm_mode()

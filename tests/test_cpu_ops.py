@@ -272,7 +272,7 @@ def _compiles(isa: str) -> subprocess.CompletedProcess:
 
     cmd = ["c++", "-std=c++20", "-fsyntax-only", "-fopenmp", *cpu_ops.BUILD_FLAGS[isa],
            "-DTORCH_EXTENSION_NAME=check", *[f"-I{p}" for p in include_paths()],
-           f"-I{sysconfig.get_paths()['include']}", str(cpu_ops.SOURCE)]  # fmt: skip
+           f"-I{sysconfig.get_paths()['include']}", *map(str, cpu_ops.SOURCES)]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 

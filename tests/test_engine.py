@@ -7,8 +7,9 @@ import random
 
 import pytest
 import torch
-from helpers import make_tiny_model_dir
+from helpers import make_tiny_model_dir, pair_modes
 
+from kernels import cpu_linear
 from replica import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -356,6 +357,23 @@ def test_bfloat16_engine_agrees_with_float32(tiny_model_dir):
     bf16 = run_greedy(make_llm(tiny_model_dir, dtype="bfloat16"), prompts, params)
     first_agree = sum(a[0] == b[0] for a, b in zip(fp32, bf16))
     assert first_agree >= 6, (fp32, bf16)
+
+
+@pytest.mark.parametrize("mode", pair_modes())
+def test_bfloat16_engine_on_the_pair_gemm_agrees_with_float32(tiny_model_dir, monkeypatch, mode):
+    # The same check with every bfloat16 matmul on the pair-dot-product GEMM
+    # (kernels/csrc/pair_gemm.cpp): emulated on any CPU, on vdpbf16ps where the CPU has it.
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, mode)
+    prompts = random_prompts(8, (5, 80), seed=11)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    fp32 = run_greedy(make_llm(tiny_model_dir), prompts, params)
+    llm = make_llm(tiny_model_dir, dtype="bfloat16")
+    layer = llm.engine.runner.model.layers[0]
+    assert all(isinstance(layer[w], cpu_linear.PairPacked) for w in ("qkv", "o", "gate_up", "down"))
+    bf16 = run_greedy(llm, prompts, params)
+    first_agree = sum(a[0] == b[0] for a, b in zip(fp32, bf16))
+    assert first_agree >= 6, (fp32, bf16)
+    llm.engine.check_integrity()
 
 
 def test_a_sequence_never_outgrows_the_kv_pool(tiny_model_dir):

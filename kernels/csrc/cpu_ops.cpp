@@ -1161,6 +1161,14 @@ std::string isa() {
   return name + " (" + std::to_string(W) + " floats)";
 }
 
+// The bfloat16 linear layers on AVX-512 BF16 (kernels/csrc/pair_gemm.cpp).
+namespace pm {
+bool pairs_hardware();
+at::Tensor pack_pairs(at::Tensor weight);
+at::Tensor pairs_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+                        bool emulate);
+}  // namespace pm
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention");
   m.def("paged_prefill", &paged_prefill, "paged attention of a step with prefills (causal)");
@@ -1173,4 +1181,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the ISA this build targets");
   m.def("set_decode_scores", &set_decode_scores,
         "how decode attention scores keys: auto, fma, amx or emulated");
+  m.def("pairs_hardware", &pm::pairs_hardware,
+        "whether pairs_linear runs on vdpbf16ps here (this build and CPU)");
+  m.def("pack_pairs", &pm::pack_pairs, "a bfloat16 [out, in] weight packed for pairs_linear");
+  m.def("pairs_linear", &pm::pairs_linear, "x @ weight.T (+ bias) on a pair-packed weight",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+        py::arg("emulate") = false);
 }
