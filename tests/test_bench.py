@@ -192,3 +192,28 @@ def test_fetch_bench_fetches_the_prefix_and_reports_the_transfer(tiny_model_dir,
     assert result["identical_to_holder_hit"] == [True, True]
     assert result["transfer_mb"] > 0 and result["transfer_mb_per_s"] > 0
     assert "of which fetched [96, 96]" in capsys.readouterr().out
+
+
+def test_gemm_bench_times_both_gemms_at_every_row_count_and_the_engine_both_ways(
+    tiny_model_dir, tmp_path, capsys
+):
+    from kernels import cpu_ops
+
+    out = tmp_path / "gemm.json"
+    argv = ["gemm", "--model", str(tiny_model_dir), "--rows", "1,3", "--layers", "1",
+            "--rounds", "1", "--engine-rounds", "1", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    hardware = cpu_ops.load().pairs_hardware()
+    assert result["pairs_path"] == ("pairs" if hardware else "emulated")
+    assert [line["rows"] for line in result["gemm"]] == [1, 3]
+    for line in result["gemm"]:
+        assert line["onednn"]["ms"] > 0 and line["pairs"]["ms"] > 0
+        assert line["speedup"] == line["onednn"]["ms"] / line["pairs"]["ms"]
+        # Rates from the same milliseconds: GFLOP/s = 2 x rows x elements, GB/s = 2 x elements.
+        assert abs(line["pairs"]["gflops"] / line["pairs"]["gb_s"] - line["rows"]) < 1e-6
+    # One round of the engine per GEMM, both workloads measured.
+    assert [row["gemm"] for row in result["engine"]] == ["onednn", result["pairs_path"]]
+    assert all(row["throughput_tok_s"] > 0 and row["varied_tok_s"] > 0 for row in result["engine"])
+    printed = capsys.readouterr().out
+    assert "pair GEMM: " in printed and "speed-up" in printed

@@ -13,6 +13,7 @@ in the same run: ``prefixmesh bench <name> --help``.
 ``attention``   paged decode attention: the C++ kernel vs torch vs one read of the KV
 ``prefill``     prefill with its attention in the C++ kernel vs torch's SDPA, alternating
 ``fetch``       two replicas: a prompt's KV fetched from the peer vs prefilled, TTFT and MB/s
+``gemm``        bfloat16 linears: oneDNN vs the pair GEMM (AVX-512 BF16), and the engine both ways
 
 Every command prints what it measured and how. This machine is noisy: compare ratios measured
 in one run, not absolute numbers across runs.
@@ -33,7 +34,7 @@ __all__ = ["main", "matmul_floor", "random_prompts", "seconds_per_call"]
 
 BENCHMARKS = (
     "throughput", "varied", "profile", "prefix", "chunked", "memory", "startup", "peak",
-    "attention", "prefill", "fetch",
+    "attention", "prefill", "fetch", "gemm",
 )  # fmt: skip
 
 
