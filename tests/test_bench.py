@@ -178,7 +178,11 @@ def test_prefill_bench_alternates_kernel_rows_and_sdpa(tiny_model_dir, tmp_path,
     for case in ("short", "long"):
         assert len(result[case]["kernel"]) == len(result[case]["sdpa"]) == 2
         assert all(t > 0 for t in result[case]["kernel"] + result[case]["sdpa"])
-    assert "paged_prefill" in capsys.readouterr().out
+    short = result["short"]
+    assert short["floor_s"] > 0
+    assert short["kernel_vs_floor"] == min(short["kernel"]) / short["floor_s"]
+    printed = capsys.readouterr().out
+    assert "paged_prefill" in printed and "matmul floor of that prefill" in printed
 
 
 def test_fetch_bench_fetches_the_prefix_and_reports_the_transfer(tiny_model_dir, tmp_path, capsys):

@@ -2,12 +2,16 @@
 (``paged_prefill``: query tiles over keys staged once, the default) against torch's SDPA per
 sequence, alternating in one process
 with fresh prompts each time (so no prefix-cache hit), on short prompts and on long ones that
-prefill in chunks after a cached prefix."""
+prefill in chunks after a cached prefix. For the short prompts it also times the matmul floor
+of the same prefill (``bench throughput``'s, without the decode steps) and prints the kernel's
+best round against it: the prefill alone, where ``bench throughput``'s prefill phase also holds
+the decode steps of the sequences already prefilled, mixed into the same engine steps."""
 
 from __future__ import annotations
 
 import time
 
+from replica.bench.throughput import matmul_floor
 from replica.bench.timing import make_llm, random_prompts
 from replica.sampling_params import SamplingParams
 
@@ -54,4 +58,14 @@ def run(args) -> dict:
             f"{' / '.join(f'{t:.2f}' for t in times['kernel'])} s "
             f"(best {min(times['sdpa']) / min(times['kernel']):.2f}x faster)"
         )
+        if name == "short":
+            chunk = llm.engine.config.max_num_batched_tokens
+            floor = matmul_floor(llm.engine.runner.model, count * length, chunk, count, 1)
+            result[name]["floor_s"] = floor["floor_prefill_s"]
+            result[name]["kernel_vs_floor"] = min(times["kernel"]) / floor["floor_prefill_s"]
+            print(
+                f"  matmul floor of that prefill ({chunk}-token steps, best of 3 each): "
+                f"{floor['floor_prefill_s']:.2f} s; paged_prefill's best round took "
+                f"{result[name]['kernel_vs_floor']:.2f}x that"
+            )
     return result
