@@ -23,7 +23,11 @@ What is real and what is modelled:
   when the request ends; generated tokens take blocks too. The Redis map is exact and instant
   (the real one lags by one engine step). With ``--fetch``, fetch-on-miss: the chosen replica
   copies, instantly, the leading blocks a peer has cached beyond its own when the transfer
-  beats the prefill (``fetch_s_per_block``, 5 ms a transfer). Step time = ``step_s + prefill_s
+  beats the prefill (``fetch_s_per_block``, 5 ms a transfer). ``--evict dup`` / ``fetched``
+  let a replica evict first a cached block another replica also holds (known exactly, or only
+  for blocks it fetched), ``--cold-placement oldest`` sends a prefix no replica holds to the
+  pool whose eviction for it loses the longest-unused blocks: what-ifs the replicas and router
+  do not do (docs/benchmarks.md, "Duplicates and eviction"). Step time = ``step_s + prefill_s
   x prefill tokens + decode_s x decoding sequences``: constants, not measured per step.
 
 ```bash
@@ -50,10 +54,19 @@ from loadtest.request import LoadRequest
 from prefixmesh.hashing import block_hashes
 from router.attribution import MISS_KINDS, MissAttribution, PendingMisses
 from router.balance import RecentRequests
-from router.policy import Candidate, Policy, RouteRequest, make_policy
+from router.policy import (
+    CacheAwarePolicy,
+    Candidate,
+    Decision,
+    Policy,
+    RouteRequest,
+    decide,
+    make_policy,
+)
 from router.prompt import fallback_affinity
 
 _MODEL = "sim"
+EVICT_POLICIES = ("lru", "dup", "fetched")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +85,9 @@ class EngineModel:
     fetch: bool = False
     fetch_s_per_block: float = 0.002  # SmolLM2 bf16: 370 KB a block at ~200 MB/s
     fetch_latency_s: float = 0.005
+    # Which cached block a new one evicts (BlockPool): the replica's LRU, or duplicates first.
+    evict: str = "lru"
+    evict_window: int = 0  # dup / fetched: how far into the LRU order to look (0: all of it)
 
 
 @dataclass(slots=True)
@@ -101,14 +117,41 @@ class SimRequest:
 
 
 class BlockPool:
-    """Prefix cache of one replica: referenced blocks, and cached ones in LRU order."""
+    """Prefix cache of one replica: referenced blocks, and cached ones in LRU order.
 
-    def __init__(self, num_blocks: int) -> None:
+    ``evict`` picks the cached block a new one replaces: ``lru`` (the replica's rule: the least
+    recently used), ``dup`` (the least recently used among the oldest ``evict_window`` that
+    another replica also holds, by the exact cluster-wide ``holders`` count, else the least
+    recently used) or ``fetched`` (the same, where "another replica holds it" is known only for
+    blocks this replica fetched from a peer). A block with a cached child here is never taken
+    out of turn: the chain behind it would stop matching.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        evict: str = "lru",
+        evict_window: int = 0,
+        holders: dict[bytes, int] | None = None,
+        parents: dict[bytes, bytes] | None = None,
+    ) -> None:
+        if evict not in EVICT_POLICIES:
+            raise ValueError(f"evict must be one of {EVICT_POLICIES} (got {evict!r})")
         self.num_blocks = num_blocks
         self.refs: dict[bytes, int] = {}  # cached blocks referenced by running requests
-        self.lru: OrderedDict[bytes, None] = OrderedDict()  # cached, unreferenced, oldest first
+        # cached, unreferenced, oldest first -> when it was last used (``clock``)
+        self.lru: OrderedDict[bytes, float] = OrderedDict()
+        self.clock = 0.0  # the simulated time, set by the replica before it changes the pool
         self.unhashed = 0  # blocks in use that hold no full cached block yet
         self.evicted = 0
+        self.evicted_out_of_turn = 0
+        self.evict = evict
+        self.evict_window = evict_window
+        # hash -> how many replicas' pools hold it (shared by the cluster's pools)
+        self.holders = holders if holders is not None else {}
+        self.parents = parents if parents is not None else {}
+        self.children: dict[bytes, int] = {}  # cached children here, per parent hash
+        self.marked: set[bytes] = set()  # fetched from a peer: it held them too
 
     def holds(self, h: bytes) -> bool:
         return h in self.refs or h in self.lru
@@ -119,17 +162,73 @@ class BlockPool:
     def available(self) -> int:
         return self.free() + len(self.lru)
 
+    def _added(self, h: bytes) -> None:
+        self.holders[h] = self.holders.get(h, 0) + 1
+        p = self.parents.get(h)
+        if p is not None:
+            self.children[p] = self.children.get(p, 0) + 1
+
+    def _removed(self, h: bytes) -> None:
+        n = self.holders[h] - 1
+        if n:
+            self.holders[h] = n
+        else:
+            del self.holders[h]
+        p = self.parents.get(h)
+        if p is not None:
+            c = self.children[p] - 1
+            if c:
+                self.children[p] = c
+            else:
+                del self.children[p]
+        self.marked.discard(h)
+
+    def _duplicated(self, h: bytes) -> bool:
+        if self.evict == "dup":
+            return self.holders.get(h, 0) > 1
+        return h in self.marked
+
+    def victim(self, keep: set[bytes] | frozenset[bytes] = frozenset()) -> bytes | None:
+        """The cached block to evict next (None: none outside ``keep``)."""
+        if not self.lru:
+            return None
+        oldest = next(iter(self.lru))
+        if self.evict != "lru":
+            window = self.evict_window or len(self.lru)
+            for h in itertools.islice(self.lru, window):
+                if h not in keep and h not in self.children and self._duplicated(h):
+                    if h != oldest:
+                        self.evicted_out_of_turn += 1
+                    return h
+        return None if oldest in keep else oldest
+
+    def eviction_age(self, n: int) -> float:
+        """When the newest of the blocks that ``n`` new ones would evict (in LRU order) was
+        last used: -inf while the pool has room, inf when it cannot make room."""
+        k = n - self.free()
+        if k <= 0:
+            return float("-inf")
+        if k > len(self.lru):
+            return float("inf")
+        return next(itertools.islice(self.lru.values(), k - 1, None))
+
+    def _evict(self, h: bytes) -> None:
+        del self.lru[h]
+        self._removed(h)
+        self.evicted += 1
+
     def reference(self, h: bytes) -> None:
         if h in self.lru:
             del self.lru[h]
         self.refs[h] = self.refs.get(h, 0) + 1
 
     def take(self, n: int) -> None:
-        """Allocate ``n`` fresh blocks, evicting least recently used cached ones."""
+        """Allocate ``n`` fresh blocks, evicting cached ones (``evict``)."""
         for _ in range(n):
             if self.free() <= 0 and self.lru:  # (a full pool of running requests over-commits:
-                self.lru.popitem(last=False)  # the engine would preempt; rare at these sizes)
-                self.evicted += 1
+                victim = self.victim()  # the engine would preempt; rare at these sizes)
+                assert victim is not None
+                self._evict(victim)
             self.unhashed += 1
 
     def cache(self, h: bytes) -> None:
@@ -139,6 +238,7 @@ class BlockPool:
             self.reference(h)  # another request computed it too: share, free the duplicate
         else:
             self.refs[h] = 1
+            self._added(h)
 
     def import_blocks(self, hashes: Sequence[bytes]) -> int:
         """Blocks fetched from a peer join the LRU order as cached, unreferenced blocks (the
@@ -151,12 +251,15 @@ class BlockPool:
         held = 0
         for h in hashes:
             if not self.holds(h):
-                if self.free() <= 0 and self.lru and next(iter(self.lru)) not in ours:
-                    self.lru.popitem(last=False)
-                    self.evicted += 1
+                if self.free() <= 0:
+                    victim = self.victim(ours)
+                    if victim is not None:
+                        self._evict(victim)
                 if self.free() <= 0:
                     break
-                self.lru[h] = None
+                self.lru[h] = self.clock
+                self._added(h)
+                self.marked.add(h)
             held += 1
         for h in reversed(hashes[:held]):
             if h in self.lru:
@@ -172,15 +275,21 @@ class BlockPool:
                 self.refs[h] = n
             else:
                 del self.refs[h]
-                self.lru[h] = None
+                self.lru[h] = self.clock
 
 
 class ReplicaSim:
-    def __init__(self, index: int, model: EngineModel) -> None:
+    def __init__(
+        self,
+        index: int,
+        model: EngineModel,
+        holders: dict[bytes, int] | None = None,
+        parents: dict[bytes, bytes] | None = None,
+    ) -> None:
         self.index = index
         self.id = f"replica-{index}"
         self.model = model
-        self.pool = BlockPool(model.num_blocks)
+        self.pool = BlockPool(model.num_blocks, model.evict, model.evict_window, holders, parents)
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.busy_until: float | None = None
@@ -227,6 +336,7 @@ class ReplicaSim:
         and requests that finished."""
         bs = self.model.block_size
         budget = self.model.max_num_batched_tokens
+        self.pool.clock = now
         plan: list[tuple[SimRequest, int]] = []
         for r in self.running:
             if budget <= 0:
@@ -294,6 +404,8 @@ class SimResult:
     evicted_blocks: int
     decisions: dict[str, int]
     fetched_tokens: int = 0
+    duplicate_share: float = 0.0  # mean share of cached blocks that are a second copy
+    evicted_out_of_turn: int = 0  # evictions that passed over an older block (not lru)
 
     @property
     def skew(self) -> float:
@@ -314,10 +426,15 @@ class Simulation:
         concurrency: int | None = None,
         predicted_ttl_s: float = 5.0,
         hold_predicted: bool = True,
+        cold_placement: str = "policy",
     ) -> None:
+        self.cold_placement = cold_placement
         self.model = model
         self.policy = policy
-        self.replicas = [ReplicaSim(i, model) for i in range(replicas)]
+        self.holders: dict[bytes, int] = {}  # hash -> replicas holding it
+        self.parents: dict[bytes, bytes] = {}  # hash -> the hash of the block before it
+        self.replicas = [ReplicaSim(i, model, self.holders, self.parents) for i in range(replicas)]
+        self._dup_samples: list[float] = []
         self.concurrency = concurrency
         self.predicted_ttl_s = predicted_ttl_s
         # The router renews a request's predicted entries until its first token: a queued
@@ -332,6 +449,9 @@ class Simulation:
             SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt or None))
             for r in requests
         ]
+        for r in self.reqs:
+            for a, b in itertools.pairwise(r.hashes):
+                self.parents[b] = a
         self._seq = itertools.count()
         self._events: list[tuple[float, int, str, Any]] = []
 
@@ -355,6 +475,11 @@ class Simulation:
 
     def route(self, r: SimRequest, now: float) -> None:
         bs = self.model.block_size
+        for p in self.replicas:
+            p.pool.clock = now
+        held = sum(len(p.pool.refs) + len(p.pool.lru) for p in self.replicas)
+        if held:  # copies beyond the first of each block, as a share of the blocks held
+            self._dup_samples.append(1.0 - len(self.holders) / held)
         cands = self._candidates(r, now)
         best = max(c.matched_blocks for c in cands)
         if r.hashes:
@@ -363,6 +488,12 @@ class Simulation:
             affinity = fallback_affinity(r.req.token_ids, str(r.req.index))
         rr = RouteRequest(r.prompt_len, len(r.hashes), bs, r.req.max_tokens, affinity)
         d = self.policy.choose(rr, cands)
+        if (
+            best == 0
+            and self.cold_placement == "oldest"
+            and isinstance(self.policy, CacheAwarePolicy)
+        ):
+            d = self._place_cold(rr, r, cands)
         i = next(k for k, c in enumerate(cands) if c.replica_id == d.replica_id)
         chosen = cands[i]
         self.decisions[d.outcome] = self.decisions.get(d.outcome, 0) + 1
@@ -383,6 +514,18 @@ class Simulation:
         if rep.busy_until is None:
             rep.busy_until = now
             self._push(now, "step", i)
+
+    def _place_cold(self, rr: RouteRequest, r: SimRequest, cands: list[Candidate]) -> Decision:
+        """A prefix no replica holds goes, among the replicas within the load bound, to the one
+        whose pool would evict the longest-unused blocks for it: the cluster then evicts about
+        what one LRU of its size would."""
+        assert isinstance(self.policy, CacheAwarePolicy)
+        total = sum(c.load for c in cands)
+        ok = [c for c in cands if self.policy.within_bound(rr, c, total, len(cands))] or cands
+        need = -(-r.total // self.model.block_size)
+        by_id = {rep.id: rep for rep in self.replicas}
+        chosen = min(ok, key=lambda c: (by_id[c.replica_id].pool.eviction_age(need), c.load))
+        return decide(rr, cands, chosen)
 
     def _fetch(self, r: SimRequest, rep: ReplicaSim) -> None:
         """As a replica before it submits: copy the leading blocks the peer holding most of
@@ -466,6 +609,10 @@ class Simulation:
             evicted_blocks=sum(r.pool.evicted for r in self.replicas),
             decisions=dict(sorted(self.decisions.items())),
             fetched_tokens=sum(r.fetched_tokens for r in self.replicas),
+            duplicate_share=(
+                sum(self._dup_samples) / len(self._dup_samples) if self._dup_samples else 0.0
+            ),
+            evicted_out_of_turn=sum(r.pool.evicted_out_of_turn for r in self.replicas),
         )
 
 
@@ -476,9 +623,11 @@ def simulate(
     model: EngineModel = EngineModel(),
     concurrency: int | None = None,
     policy_factory: Callable[[str], Policy] = make_policy,
+    cold_placement: str = "policy",
 ) -> SimResult:
     p = policy_factory(policy) if isinstance(policy, str) else policy
-    return Simulation(requests, p, replicas, model, concurrency).run()
+    sim = Simulation(requests, p, replicas, model, concurrency, cold_placement=cold_placement)
+    return sim.run()
 
 
 def _row(res: SimResult, cap: float) -> dict[str, Any]:
@@ -494,6 +643,9 @@ def _row(res: SimResult, cap: float) -> dict[str, Any]:
         "e2e_p50_s": round(res.e2e_p50_s, 2),
         "decisions": res.decisions,
         "fetched_tokens": res.fetched_tokens,
+        "duplicate_share": round(res.duplicate_share, 4),
+        "evicted_blocks": res.evicted_blocks,
+        "evicted_out_of_turn": res.evicted_out_of_turn,
     }
 
 
@@ -521,6 +673,20 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     g.add_argument("--fetch-ms-per-block", type=float, default=2.0, help="transfer time a block")
     g.add_argument("--fetch-weight", type=float, default=-1.0, help="as the router's flag")
+    g.add_argument(
+        "--evict", choices=EVICT_POLICIES, default="lru",
+        help="which cached block a replica evicts: its LRU (the replica's rule), the oldest one "
+        "another replica also holds (dup, exact), or the oldest one it fetched (fetched)",
+    )  # fmt: skip
+    g.add_argument(
+        "--evict-window", type=int, default=0,
+        help="dup / fetched: look this far into the LRU order for a duplicate (0: all of it)",
+    )  # fmt: skip
+    g.add_argument(
+        "--cold-placement", choices=("policy", "oldest"), default="policy",
+        help="cache_aware: where a prefix no replica holds goes: the policy's choice, or the "
+        "replica within the load bound whose pool evicts the longest-unused blocks for it",
+    )  # fmt: skip
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
     args = parser.parse_args(argv)
     if args.workload is None:
@@ -529,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     model = EngineModel(
         args.num_blocks, args.sim_block_size, step_s=args.step_ms / 1e3,
         prefill_s=args.prefill_ms / 1e3, decode_s=args.decode_ms / 1e3, fetch=args.fetch,
-        fetch_s_per_block=args.fetch_ms_per_block / 1e3,
+        fetch_s_per_block=args.fetch_ms_per_block / 1e3, evict=args.evict,
+        evict_window=args.evict_window,
     )  # fmt: skip
     unl = ceiling(requests, model.block_size).hit_rate
     cap = ceiling(requests, model.block_size, model.num_blocks * args.replicas).hit_rate
@@ -548,7 +715,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
 
     for name in (args.compare or "cache_aware").split(","):
-        res = simulate(requests, name, args.replicas, model, concurrency, factory)
+        res = simulate(
+            requests, name, args.replicas, model, concurrency, factory, args.cold_placement
+        )
         row = _row(res, cap)
         print(json.dumps(row) if args.json else row)
     return 0

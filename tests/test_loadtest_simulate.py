@@ -94,3 +94,69 @@ def test_fetching_turns_round_robins_elsewhere_misses_into_hits() -> None:
     # A transfer slower than the prefill it saves: the cost model declines every fetch.
     slow = dataclasses.replace(model, fetch=True, fetch_s_per_block=1.0)
     assert simulate(reqs, "round_robin", 3, slow, concurrency=4).fetched_tokens == 0
+
+
+def test_dup_eviction_takes_the_oldest_block_a_peer_holds_and_spares_parents() -> None:
+    holders: dict[bytes, int] = {}
+    parents = {b"c": b"p"}
+    a = BlockPool(4, evict="dup", holders=holders, parents=parents)
+    b = BlockPool(4, holders=holders, parents=parents)
+    a.take(4)
+    for h in (b"x", b"p", b"y", b"c"):
+        a.cache(h)
+    a.release([b"x"], 0)
+    a.release([b"p"], 0)
+    a.release([b"y"], 0)
+    a.release([b"c"], 0)
+    assert list(a.lru) == [b"x", b"p", b"y", b"c"] and a.free() == 0
+    b.take(2)
+    b.cache(b"p")  # a peer holds p (whose child c is cached here) and y
+    b.cache(b"y")
+    assert holders[b"p"] == holders[b"y"] == 2
+    a.take(1)  # p has a child here: y, the oldest other duplicate, goes out of turn
+    assert list(a.lru) == [b"x", b"p", b"c"] and a.evicted_out_of_turn == 1
+    assert holders[b"y"] == 1
+    a.take(1)  # no duplicate without a child left: the oldest, x
+    assert list(a.lru) == [b"p", b"c"] and a.evicted_out_of_turn == 1
+    a.take(1)  # the child rule only bars going out of turn: p is the oldest, it goes
+    assert list(a.lru) == [b"c"] and a.evicted_out_of_turn == 1 and holders[b"p"] == 1
+
+
+def test_fetched_eviction_takes_fetched_copies_first() -> None:
+    pool = BlockPool(3, evict="fetched")
+    pool.take(1)
+    pool.cache(b"own")
+    pool.release([b"own"], 0)
+    assert pool.import_blocks([b"f1", b"f2"]) == 2  # marked: a peer held them
+    assert list(pool.lru) == [b"own", b"f2", b"f1"] and pool.marked == {b"f1", b"f2"}
+    pool.take(1)  # the oldest fetched copy, not the older block of our own
+    assert list(pool.lru) == [b"own", b"f1"] and pool.marked == {b"f1"}
+    assert pool.evicted_out_of_turn == 1
+
+
+def test_eviction_age_is_when_the_newest_block_evicted_was_used() -> None:
+    pool = BlockPool(3)
+    pool.take(3)
+    for t, h in enumerate((b"a", b"b", b"c")):
+        pool.cache(h)
+        pool.clock = float(t)
+        pool.release([h], 0)
+    assert pool.eviction_age(2) == 1.0  # evicts a (used at 0) and b (1)
+    assert pool.eviction_age(4) == float("inf")
+    pool.reference(b"a")
+    pool.reference(b"b")
+    assert pool.eviction_age(1) == 2.0
+    assert BlockPool(3).eviction_age(3) == float("-inf")  # room: nothing evicted
+
+
+def test_duplicate_share_counts_second_copies() -> None:
+    reqs, model = _hot_groups()
+    rr = simulate(reqs, "round_robin", 3, model, concurrency=4)
+    one = simulate(reqs, "round_robin", 1, model, concurrency=4)
+    assert rr.duplicate_share > 0.1 and one.duplicate_share == 0.0
+    # duplicates first and cold placement by eviction age run, and stay deterministic
+    dup = dataclasses.replace(model, evict="dup")
+    for engine, cold in ((dup, "policy"), (model, "oldest")):
+        first = simulate(reqs, "cache_aware", 3, engine, 4, cold_placement=cold)
+        again = simulate(reqs, "cache_aware", 3, engine, 4, cold_placement=cold)
+        assert first.hit_rate == again.hit_rate and sum(first.requests_per_replica) == len(reqs)
