@@ -9,6 +9,7 @@ module never imports torch.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -225,6 +226,11 @@ class RouterServer:
 async def serve(config: RouterConfig) -> None:
     server = RouterServer(config)
     await server.start()
+    # The process's long-lived objects (modules, protobuf and gRPC state, the router's own) are
+    # built: out of the collector's way, so a collection on the request path walks only what
+    # requests allocate (a full one took ~27 ms in router.bench before).
+    gc.collect()
+    gc.freeze()
     print(f"router listening on {config.host}:{server.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
