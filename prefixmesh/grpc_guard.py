@@ -5,6 +5,11 @@ method's type, grpc.aio answers ``UNKNOWN: Unexpected DecodeError``, a status cl
 a server fault (the router would even retry it elsewhere). ``DecodeGuardInterceptor`` wraps
 each method's deserializer so that a decode failure becomes a marker value, and the handler
 answers ``INVALID_ARGUMENT`` naming the message type. Used by replicas and routers.
+
+``GuardedServer`` gives the same answers without an interceptor: it guards each handler once,
+as the generated ``add_*Servicer_to_server`` functions register it. grpc.aio runs a chain of
+coroutines for every call as soon as a server has any interceptor; a router without an API key
+then has none on its request path.
 """
 
 from __future__ import annotations
@@ -74,6 +79,61 @@ def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
 
 
+def guard(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    """``handler`` with a deserializer that never raises, if it has a unary request to decode
+    (else ``handler`` itself)."""
+    if (
+        handler is None
+        or handler.request_streaming
+        or handler.request_deserializer is None
+        or not (handler.unary_unary or handler.unary_stream)
+    ):
+        return handler
+    return _guarded(handler)
+
+
+class _GuardedHandlers(grpc.GenericRpcHandler):
+    """A generic handler's method handlers, each guarded the first time it is asked for."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+        # Keyed by identity, as DecodeGuardInterceptor's (the value keeps the handler alive).
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._inner.service(details)
+        if handler is None:
+            return None
+        known = self._wrapped.get(id(handler))
+        if known is not None and known[0] is handler:
+            return known[1]
+        guarded = guard(handler)
+        if len(self._wrapped) >= 1024:
+            self._wrapped.clear()
+        self._wrapped[id(handler)] = (handler, guarded)
+        return guarded
+
+
+class GuardedServer:
+    """A ``grpc.aio.Server`` as the generated ``add_*Servicer_to_server`` functions see it:
+    every handler they register is guarded once, up front (the decode guard without an
+    interceptor on every call). Pass it where the generated code takes a server; everything
+    else goes to ``server`` itself."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.server.add_generic_rpc_handlers(tuple(_GuardedHandlers(h) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.server.add_registered_method_handlers(
+            service, {name: guard(h) for name, h in handlers.items()}
+        )
+
+
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
     """Turns decode failures of unary-request methods into INVALID_ARGUMENT (put it last, so it
     wraps the handler the other interceptors chose)."""
@@ -82,7 +142,7 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         # A server's handlers are the same objects on every call: each is wrapped once, not
         # on every request. Keyed by identity (the value keeps the handler alive, so its id
         # is never reused); bounded in case some handler is built per call.
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
 
     async def intercept_service(
         self,
@@ -90,17 +150,12 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if (
-            handler is None
-            or handler.request_streaming
-            or handler.request_deserializer is None
-            or not (handler.unary_unary or handler.unary_stream)
-        ):
+        if handler is None:
             return handler
         known = self._wrapped.get(id(handler))
         if known is not None and known[0] is handler:
             return known[1]
-        guarded = _guarded(handler)
+        guarded = guard(handler)
         if len(self._wrapped) >= 1024:
             self._wrapped.clear()
         self._wrapped[id(handler)] = (handler, guarded)

@@ -87,13 +87,18 @@ def check_limits(limits: RequestLimits) -> list[str]:
 
 
 def check_request(
-    request: pb.GenerateRequest, limits: RequestLimits, token_ids: Sequence[int] | None = None
+    request: pb.GenerateRequest,
+    limits: RequestLimits,
+    token_ids: Sequence[int] | None = None,
+    prompt_ids_checked: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the first field beyond ``limits`` (shape only: the value
     ranges of sampling fields are the engine's ``SamplingParams.validate``).
 
     ``token_ids``: ``request.token_ids.ids`` already read into a list, if the caller has it
-    (every read of a repeated field builds its elements again)."""
+    (every read of a repeated field builds its elements again). ``prompt_ids_checked``: the
+    caller already knows those ids are >= 0 (the router packs them as unsigned 32-bit for the
+    block hashes, which refuses a negative one): they are not scanned again."""
     if len(request.request_id) > limits.max_id_len:
         raise ValueError(
             f"request_id must be at most {limits.max_id_len} characters "
@@ -119,7 +124,7 @@ def check_request(
             raise ValueError(
                 f"stop[{i}] must be at most {limits.max_stop_len} characters (got {len(stop)})"
             )
-    prompt = request.token_ids.ids if token_ids is None else token_ids
+    prompt = () if prompt_ids_checked else request.token_ids.ids if token_ids is None else token_ids
     for name, ids in (("token_ids.ids", prompt),
                       ("resume_token_ids", request.resume_token_ids)):  # fmt: skip
         # Negative ids are never tokens; the router hashes them before any replica sees them.

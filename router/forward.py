@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from prefixmesh.hashing import token_bytes
 from prefixmesh.limits import RequestLimits, abort_busy, check_request, retry_metadata
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from prefixmesh.tenants import (
@@ -107,10 +108,18 @@ class Forwarder:
         generator gRPC iterates: one generator fewer between the replica's stream and the
         client's, on every message."""
         # Read once: each read of a repeated field builds every element again (~20 us per 500
-        # token ids); the bounds check and the routing share this list.
-        ids = request.token_ids.ids[:] if request.WhichOneof("input") == "token_ids" else None
+        # token ids); the bounds check and the routing share this list. Packed once too, as
+        # the block hashes read them: unsigned, so a negative id fails here, and the bounds
+        # check need not scan the list for one (it names it when the packing fails).
+        ids = packed = None
+        if request.WhichOneof("input") == "token_ids":
+            ids = request.token_ids.ids[:]
+            try:
+                packed = token_bytes(ids)
+            except OverflowError:
+                pass
         try:
-            check_request(request, self.limits, token_ids=ids)
+            check_request(request, self.limits, ids, prompt_ids_checked=packed is not None)
         except ValueError as exc:
             self.metrics.error("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -125,7 +134,7 @@ class Forwarder:
             except TenantBusy as exc:
                 self.metrics.error("RESOURCE_EXHAUSTED")
                 await abort_busy(context, str(exc), self.limits.retry_after_s)
-        stream = self._generate(request, context, ticket, ids, metadata)
+        stream = self._generate(request, context, ticket, ids, metadata, packed)
         try:
             async for msg in stream:
                 await context.write(msg)
@@ -141,6 +150,7 @@ class Forwarder:
         ticket: Ticket | None,
         token_ids: list[int] | None = None,
         metadata: tuple[tuple[str, str], ...] | None = None,
+        packed_ids: bytes | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
         if not request.request_id:
@@ -156,10 +166,11 @@ class Forwarder:
         while queue:
             attempt = queue[0]
             tries += 1
-            ids = token_ids if attempt.request is request else None
-            plan = await self._route(attempt, frozenset(excluded), group, busy, context, ids)
+            first = attempt.request is request
+            prompt = (token_ids, packed_ids) if first else (None, None)
+            plan = await self._route(attempt, frozenset(excluded), group, busy, context, *prompt)
             attempt.plan = plan
-            if prompt_ids is None and attempt.request is request:
+            if prompt_ids is None and first:
                 prompt_ids = plan.prompt_ids
             if ticket is not None and tries == 1:
                 await self._queue_tokens(ticket, plan, context)
@@ -220,12 +231,13 @@ class Forwarder:
         busy: str,
         context: grpc.aio.ServicerContext,
         token_ids: list[int] | None = None,
+        packed_ids: bytes | None = None,
     ) -> RoutePlan:
         """Route one attempt. No replica left: RESOURCE_EXHAUSTED when the last ones answered
         that they were full (``busy``), overload rather than an outage; UNAVAILABLE otherwise."""
         try:
             return await self.router.route(
-                attempt.request, excluded, group, token_ids, defer_bookkeeping=True
+                attempt.request, excluded, group, token_ids, True, packed_ids
             )
         except NoReplicaError as exc:
             if busy:  # every replica left was full: overload, not an outage

@@ -32,11 +32,17 @@ class BlockHashCache:
         self._entries: OrderedDict[tuple[str, str, int, bytes], list[BlockHash]] = OrderedDict()
 
     def block_hashes(
-        self, token_ids: list[int], block_size: int, model_id: str, cache_salt: str | None
+        self,
+        token_ids: list[int],
+        block_size: int,
+        model_id: str,
+        cache_salt: str | None,
+        packed: bytes | None = None,
     ) -> list[BlockHash]:
-        """``prefixmesh.hashing.block_hashes`` of the tokens, from the cache when it can."""
+        """``prefixmesh.hashing.block_hashes`` of the tokens, from the cache when it can.
+        ``packed``: ``token_bytes(token_ids)``, if the caller has it."""
         full = len(token_ids) // block_size * block_size
-        data = token_bytes(token_ids)[: 4 * full]
+        data = (token_bytes(token_ids) if packed is None else packed)[: 4 * full]
         key = (model_id, cache_salt or "", block_size, data)
         hashes = self._entries.get(key)
         if hashes is not None:
@@ -64,11 +70,15 @@ class PromptTokens:
 
 
 def tokenize(
-    request: pb.GenerateRequest, view: ReplicaView, token_ids: list[int] | None = None
+    request: pb.GenerateRequest,
+    view: ReplicaView,
+    token_ids: list[int] | None = None,
+    packed: bytes | None = None,
 ) -> PromptTokens:
     """Prompt token ids (as replicas compute them) and the block hashes of prompt + resume
     tokens, per model group. ``token_ids``: the request's ``token_ids.ids`` already read into
-    a list, if the caller has it (shared by every group, never modified)."""
+    a list, if the caller has it (shared by every group, never modified); ``packed``: those
+    ids as ``prefixmesh.hashing.token_bytes`` packs them, if the caller has that too."""
     out = PromptTokens()
     kind = request.WhichOneof("input")
     for group in set(view.tokenizers) | set(view.model_ids):
@@ -94,12 +104,15 @@ def tokenize(
             continue  # the replica will reject it with a precise INVALID_ARGUMENT
         out.ids_by_group[group] = ids
     resume = request.resume_token_ids[:]
+    if resume or kind != "token_ids" or token_ids is None:
+        packed = None  # the caller's packing is of the token_ids list alone
     for group, ids in out.ids_by_group.items():
         model_id = view.model_ids.get(group)
         if model_id is not None:
             out.hashes_by_group[group] = _HASHES.block_hashes(
-                ids + resume if resume else ids, group[1], model_id, request.cache_salt or None
-            )
+                ids + resume if resume else ids, group[1], model_id, request.cache_salt or None,
+                packed,
+            )  # fmt: skip
     return out
 
 

@@ -277,16 +277,18 @@ class Router:
         group: GROUP_KEY | None = None,
         token_ids: list[int] | None = None,
         defer_bookkeeping: bool = False,
+        packed_ids: bytes | None = None,
     ) -> RoutePlan:
         """Pick a replica for ``request`` (never one in ``exclude``; only ``group`` if set).
 
-        ``token_ids``: its ``token_ids.ids`` as a list, if the caller has already read them.
+        ``token_ids``: its ``token_ids.ids`` as a list, if the caller has already read them
+        (``packed_ids``: and packed, ``prefixmesh.hashing.token_bytes``).
         Everything a later decision reads (in-flight tokens, predicted entries, the recent
         requests) is updated before this returns; with ``defer_bookkeeping`` the rest
         (metrics, miss attribution, the predicted entries' Redis write) waits for
         ``account(plan)``, which the caller runs once the request is on its way to the
         replica, so that it overlaps the replica's work instead of preceding it."""
-        tokens = tokenize(request, self.view, token_ids)
+        tokens = tokenize(request, self.view, token_ids, packed_ids)
         matches, lookup_s = await self._lookup(tokens, group)
         handles, matches = self._routable(matches, exclude, group)
         primary = self._primary_group(handles, tokens)
