@@ -33,8 +33,8 @@ faster, at ~900 GFLOP/s from 64 rows up (docs/benchmarks.md). ``pack`` packs bfl
 for it where ``PREFIXMESH_BF16_GEMM`` (``auto``, the default) finds the instruction and no AMX
 (oneDNN's AMX kernels run large batches faster than the unit's peak); ``pairs`` asks for it
 wherever the shapes allow, emulated in plain C++ where the CPU lacks the instruction;
-``emulated`` always emulates it (tests, on any CPU); ``onednn`` never. Its rows are summed in one order whatever the batch, so it is batch-invariant
-as it is.
+``emulated`` always emulates it (tests, on any CPU); ``onednn`` never. It sums each row in one
+order whatever the batch, so it is batch-invariant as it is.
 """
 
 from __future__ import annotations
