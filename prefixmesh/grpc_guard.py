@@ -92,26 +92,35 @@ def guard(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None
     return _guarded(handler)
 
 
+class _GuardCache:
+    """Each handler guarded once. A server's handlers are the same objects on every call, so
+    they are keyed by identity (the value keeps the handler alive, so its id is never reused);
+    bounded in case some handler is built per call."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
+
+    def guarded(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler | None:
+        known = self._wrapped.get(id(handler))
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = guard(handler)
+        if len(self._wrapped) >= 1024:
+            self._wrapped.clear()
+        self._wrapped[id(handler)] = (handler, wrapped)
+        return wrapped
+
+
 class _GuardedHandlers(grpc.GenericRpcHandler):
     """A generic handler's method handlers, each guarded the first time it is asked for."""
 
     def __init__(self, inner: grpc.GenericRpcHandler) -> None:
         self._inner = inner
-        # Keyed by identity, as DecodeGuardInterceptor's (the value keeps the handler alive).
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
+        self._cache = _GuardCache()
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._inner.service(details)
-        if handler is None:
-            return None
-        known = self._wrapped.get(id(handler))
-        if known is not None and known[0] is handler:
-            return known[1]
-        guarded = guard(handler)
-        if len(self._wrapped) >= 1024:
-            self._wrapped.clear()
-        self._wrapped[id(handler)] = (handler, guarded)
-        return guarded
+        return None if handler is None else self._cache.guarded(handler)
 
 
 class GuardedServer:
@@ -139,10 +148,7 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
     wraps the handler the other interceptors chose)."""
 
     def __init__(self) -> None:
-        # A server's handlers are the same objects on every call: each is wrapped once, not
-        # on every request. Keyed by identity (the value keeps the handler alive, so its id
-        # is never reused); bounded in case some handler is built per call.
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
+        self._cache = _GuardCache()  # each handler wrapped once, not on every request
 
     async def intercept_service(
         self,
@@ -152,11 +158,4 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
-        known = self._wrapped.get(id(handler))
-        if known is not None and known[0] is handler:
-            return known[1]
-        guarded = guard(handler)
-        if len(self._wrapped) >= 1024:
-            self._wrapped.clear()
-        self._wrapped[id(handler)] = (handler, guarded)
-        return guarded
+        return self._cache.guarded(handler)

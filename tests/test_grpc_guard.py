@@ -59,7 +59,7 @@ def test_both_handler_styles_answer_and_refuse_undecodable_bodies() -> None:
                             assert "could not be decoded" in (exc.details() or "")
                         else:
                             raise AssertionError(f"{method}: garbage was accepted")
-            assert len(guard._wrapped) == 2  # one wrapper per handler, however many calls
+            assert len(guard._cache._wrapped) == 2  # one wrapper per handler, however many calls
         finally:
             await server.stop(0)
 
