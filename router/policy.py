@@ -290,9 +290,8 @@ class CacheAwarePolicy(Policy):
         decisions, tests/test_router_policy.py holds a reference), with each candidate's
         numbers computed once, as this runs on every request."""
         pt, bs, decode = request.prompt_tokens, request.block_size, request.decode_tokens
-        # (candidate, load, hit tokens of its matched blocks, of its cached blocks, matched)
-        rows = []
-        total = recent = held = best = 0
+        rows = []  # (candidate, load, hit tokens of its matched blocks, of its cached blocks)
+        total = recent = held = 0
         for c in candidates:
             load = max(c.inflight_tokens, c.queued_tokens)
             matched = max(c.cached_blocks, c.predicted_blocks)
@@ -301,11 +300,10 @@ class CacheAwarePolicy(Policy):
                 hit_cached = max(0, min(c.cached_blocks * bs, pt - 1))
             else:
                 hit = hit_cached = 0
-            rows.append((c, load, hit, hit_cached, matched))
+            rows.append((c, load, hit, hit_cached))
             total += load
             recent += c.recent_requests
             held = max(held, c.cached_blocks)
-            best = max(best, matched)
         n = len(rows)
         grow, slack = 1.0 + self.epsilon, self.slack_tokens
         bound = self.request_epsilon
@@ -323,7 +321,7 @@ class CacheAwarePolicy(Policy):
         prefill_weight = self.prefill_weight
         held_hit = max(0, min(held * bs, pt - 1)) if pt > 0 else 0
         costs = []
-        for c, load, hit, hit_cached, _ in eligible:
+        for c, load, hit, hit_cached in eligible:
             fetch_weight = self._fetch_weight(c)
             fetchable = max(0, held_hit - hit) if fetch_weight is not None else 0
             prefill = prefill_weight * (pt - hit - fetchable)
@@ -333,19 +331,14 @@ class CacheAwarePolicy(Policy):
         cutoff = min(costs) + self.tie_tokens
         tied = [row for row, cost in zip(eligible, costs) if cost <= cutoff]
         if len(tied) == 1:
-            chosen = tied[0]
+            chosen = tied[0][0]
         else:
             affinity = request.affinity
-            chosen = max(tied, key=lambda row: (row[4], rendezvous(affinity, row[0].replica_id)))
-        # decide(request, candidates, chosen[0]), from the numbers above
-        c, _, hit, _, matched = chosen
-        if pt <= 0:
-            outcome = FALLBACK
-        elif best == 0:
-            outcome = COLD
-        else:
-            outcome = WARM if matched >= best else SPILLOVER
-        return Decision(c.replica_id, outcome, matched, hit, pt - hit + decode)
+            chosen = max(
+                tied,
+                key=lambda row: (row[0].matched_blocks, rendezvous(affinity, row[0].replica_id)),
+            )[0]
+        return decide(request, candidates, chosen)
 
 
 def make_policy(
