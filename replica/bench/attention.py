@@ -17,6 +17,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context", type=int, default=240, help="mean context length")
     parser.add_argument("--iters", type=int, default=20, help="timed calls")
     parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="layers, each with its own caches, attended in turn per call: 1 keeps the KV in "
+        "the L3 (a hot read); 30 reads it from memory as the engine's step does",
+    )
+    parser.add_argument(
         "--isa",
         default=None,
         help="kernel build: generic, avx2, avx512, amx (default: this CPU's)",
@@ -72,25 +79,37 @@ def run(args) -> dict:
     d = decode_batch(args.batch, args.context, dtype)
     lens, tables, meta = d["lens"], d["tables"], d["meta"]
     k_cache, v_cache = d["k_cache"], d["v_cache"]
+    # One (keys, values) pair per layer; the first layer's output is the one compared.
+    caches = [(k_cache, v_cache)] + [
+        (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(args.layers - 1)
+    ]
 
-    def per_call_ms(fn) -> float:
-        return seconds_per_call(fn, args.iters, warmup=3) * 1000
+    def per_layer_ms(fn) -> float:
+        return seconds_per_call(fn, args.iters, warmup=3) * 1000 / args.layers
+
+    def every_layer(fn):
+        return lambda: [fn(k, v) for k, v in caches][0]
 
     dtype_name = str(dtype).removeprefix("torch.")
     outputs = {}
-    result = {"batch": args.batch, "mean_context": float(lens.float().mean()), "dtype": dtype_name}
+    result = {
+        "batch": args.batch,
+        "mean_context": float(lens.float().mean()),
+        "dtype": dtype_name,
+        "layers": args.layers,
+    }
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
+    scale = d["head_dim"] ** -0.5
     for name, use_kernel in (("cpu_kernel", None), ("torch_sdpa", False)):
         backend = TorchAttentionBackend(use_cpu_kernel=use_kernel, isa=args.isa)
         if use_kernel is None and not backend._use_cpu_kernel:
             print("the C++ kernel is not available here (no compiler?)")
             continue
         backend.prepare(meta, d["block"])
-        scale = d["head_dim"] ** -0.5
-        attend = functools.partial(backend.attend, d["query"], k_cache, v_cache, meta, scale)
+        attend = every_layer(functools.partial(backend.attend, d["query"], meta=meta, scale=scale))
         outputs[name] = attend()
-        result[f"{name}_ms"] = per_call_ms(attend)
+        result[f"{name}_ms"] = per_layer_ms(attend)
     if (
         kernels is not None
         and kernels.set_decode_scores("auto") == "amx"
@@ -99,12 +118,10 @@ def run(args) -> dict:
         # The AMX build scores bfloat16 keys on the tile unit: the same call with FMA scores.
         backend = TorchAttentionBackend(isa=args.isa)
         backend.prepare(meta, d["block"])
-        attend = functools.partial(
-            backend.attend, d["query"], k_cache, v_cache, meta, d["head_dim"] ** -0.5
-        )
+        attend = every_layer(functools.partial(backend.attend, d["query"], meta=meta, scale=scale))
         try:
             kernels.set_decode_scores("fma")
-            result["cpu_kernel_fma_scores_ms"] = per_call_ms(attend)
+            result["cpu_kernel_fma_scores_ms"] = per_layer_ms(attend)
         finally:
             kernels.set_decode_scores("auto")
     if len(outputs) == 2:
@@ -115,8 +132,9 @@ def run(args) -> dict:
     result["kv_mb"] = sum(int(n) for n in lens) * row_bytes / 1e6
     if kernels is not None:
         # The floor: every key and value the step attends to, read once, the kernel's way.
-        read = functools.partial(kernels.read_kv_once, k_cache, v_cache, tables, lens.int())
-        result["read_kv_ms"] = per_call_ms(read)
+        int_lens = lens.int()
+        read = every_layer(lambda k, v: kernels.read_kv_once(k, v, tables, int_lens))
+        result["read_kv_ms"] = per_layer_ms(read)
         result["kernel_vs_floor"] = result["cpu_kernel_ms"] / result["read_kv_ms"]
     _print(args, d, dtype_name, threads, result)
     return result
@@ -126,7 +144,9 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
     print(
         f"paged decode attention, one layer, {args.batch} sequences of ~{args.context} tokens "
         f"({d['heads']}/{d['kv_heads']} heads, head_dim {d['head_dim']}, {dtype_name}, "
-        f"{threads} threads, kernel build {result['isa']}), mean of {args.iters} calls:"
+        f"{threads} threads, kernel build {result['isa']}), mean of {args.iters} calls"
+        + (f" over {args.layers} layers' caches in turn, per layer" if args.layers > 1 else "")
+        + ":"
     )
     labels = {"cpu_kernel": "cpu_kernel", "cpu_kernel_fma_scores": "cpu_kernel, scores by FMAs "
               "instead of AMX tiles", "torch_sdpa": "torch_sdpa"}  # fmt: skip
@@ -135,7 +155,8 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
             print(f"  {label:10s} {result[f'{name}_ms']:7.2f} ms")
     if "read_kv_ms" in result:
         print(
-            f"  floor: one read of the {result['kv_mb']:.1f} MB of keys and values through the "
+            f"  floor: one read of the {result['kv_mb']:.1f} MB of keys and values (a layer's) "
+            f"through the "
             f"block tables: {result['read_kv_ms']:.2f} ms; the kernel takes "
             f"{result['kernel_vs_floor']:.2f}x that"
         )
