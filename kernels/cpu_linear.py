@@ -11,7 +11,7 @@ two ops, for the same reason.
 ``pack`` returns the weight unchanged where oneDNN cannot run it (not a CPU tensor, a dtype
 this CPU's oneDNN has no kernel for, such as bfloat16 without AVX-512, or a torch without these
 private ops) and ``linear`` then falls back to ``F.linear``, so callers never branch. Set
-``PREFIXMESH_ONEDNN=0`` to keep every weight dense (plain ``F.linear``).
+``PREFIXMESH_ONEDNN=0`` to keep every weight oneDNN would take dense (plain ``F.linear``).
 
 **Batch invariance.** On AMX, oneDNN's bfloat16 (brgemm) matmul blocks its reduction differently for
 different row counts M, so row ``i`` of ``linear(x)`` is not always bit for bit row ``i`` of
@@ -25,6 +25,15 @@ larger matmuls being cut up (docs/benchmarks.md, "Batch-invariant mode"). bfloat
 (oneDNN's AVX-512 kernels, or dense ``F.linear`` under AVX2) measured invariant as it is; the tiles
 are harmless there.
 ``tests/test_cpu_linear.py`` checks the property on every ISA the machine runs.
+
+**float32 on FMA vectors.** On a 2-core AVX2 machine (AMD Zen 3) oneDNN's float32 inner product
+runs SmolLM2's shapes at 5-50 GFLOP/s from 1 to 16 rows (the weights stream at 7-10 GB/s where
+the machine reads ~20) and at 60% of the FMA peak at 64 rows. Our own GEMM on weights packed in
+panels of one vector of output features (kernels/csrc/panel_gemm.cpp) runs them 1.4x faster at
+64 rows and about 2x at 1-16 (docs/benchmarks.md). ``pack`` packs float32 weights for it where
+``PREFIXMESH_F32_GEMM`` (``auto``, the default) finds the AVX2 build, the one it was measured
+on; ``panels`` asks for it on any build (AVX-512, or the plain build), ``onednn`` never. It
+sums each row in one order whatever the batch, so it too is batch-invariant as it is.
 
 **bfloat16 on AVX-512 BF16 without AMX.** There oneDNN's bfloat16 kernels stream the weights at
 15-33 GB/s at decode-sized batches and reach 640-820 GFLOP/s at 64 rows; our own GEMM on the
@@ -55,6 +64,10 @@ INVARIANT_ROWS = 32
 
 GEMM_ENV = "PREFIXMESH_BF16_GEMM"
 GEMM_MODES = ("auto", "pairs", "emulated", "onednn")
+F32_GEMM_ENV = "PREFIXMESH_F32_GEMM"
+F32_GEMM_MODES = ("auto", "panels", "onednn")
+# Kernel builds where ``auto`` packs float32 weights in panels: where it was measured faster.
+F32_PANEL_BUILDS = frozenset({"avx2"})
 
 
 class PairPacked(NamedTuple):
@@ -65,12 +78,28 @@ class PairPacked(NamedTuple):
     emulate: bool  # plain C++ sums: the CPU has no vdpbf16ps
 
 
+class PanelPacked(NamedTuple):
+    """A float32 ``[out, in]`` weight packed in panels for the FMA GEMM."""
+
+    packed: torch.Tensor  # [out / W, in, W], W the build's floats per vector
+    ops: ModuleType  # the kernels module that multiplies it (kernels/cpu_ops.py)
+
+
+def _mode(env: str, modes: tuple[str, ...]) -> str:
+    mode = os.environ.get(env, "auto").strip().lower() or "auto"
+    if mode not in modes:
+        raise ValueError(f"{env} must be one of {', '.join(modes)} (got {mode!r})")
+    return mode
+
+
+def f32_gemm_mode() -> str:
+    """``PREFIXMESH_F32_GEMM``: which GEMM float32 weights are packed for (module docstring)."""
+    return _mode(F32_GEMM_ENV, F32_GEMM_MODES)
+
+
 def bf16_gemm_mode() -> str:
     """``PREFIXMESH_BF16_GEMM``: which GEMM bfloat16 weights are packed for (module docstring)."""
-    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
-    if mode not in GEMM_MODES:
-        raise ValueError(f"{GEMM_ENV} must be one of {', '.join(GEMM_MODES)} (got {mode!r})")
-    return mode
+    return _mode(GEMM_ENV, GEMM_MODES)
 
 
 def pack_pairs(weight: torch.Tensor, mode: str | None = None) -> PairPacked | None:
@@ -99,15 +128,32 @@ def pack_pairs(weight: torch.Tensor, mode: str | None = None) -> PairPacked | No
     return PairPacked(ops.pack_pairs(weight), ops, emulate=not hardware)
 
 
+def pack_panels(weight: torch.Tensor, mode: str | None = None) -> PanelPacked | None:
+    """``weight`` packed in panels for the float32 GEMM when ``mode`` (default: the
+    environment's) asks for it here, else ``None``."""
+    mode = mode or f32_gemm_mode()
+    if mode == "onednn" or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or weight.shape[0] % ops.panel_width():
+        return None
+    if mode == "auto" and ops.isa().split()[0] not in F32_PANEL_BUILDS:  # "avx2 (8 floats)"
+        return None
+    return PanelPacked(ops.pack_panels(weight), ops)
+
+
 def enabled() -> bool:
     return os.environ.get("PREFIXMESH_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | PairPacked:
+def pack(weight: torch.Tensor) -> torch.Tensor | PairPacked | PanelPacked:
     """``weight`` ([out, in]) packed for the fastest GEMM here that can multiply it: the pair
-    GEMM (bfloat16, see the module docstring), oneDNN's layout, or as is."""
-    pairs = pack_pairs(weight)
-    return pairs if pairs is not None else pack_onednn(weight)
+    GEMM (bfloat16) or the panel GEMM (float32, see the module docstring), oneDNN's layout, or
+    as is."""
+    own = pack_pairs(weight) or pack_panels(weight)
+    return own if own is not None else pack_onednn(weight)
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
@@ -128,12 +174,16 @@ def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor | PairPacked,
+    weight: torch.Tensor | PairPacked | PanelPacked,
     bias: torch.Tensor | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for a weight from ``pack`` (packed or not). ``invariant``: each
     row's result bit for bit independent of the other rows (module docstring)."""
+    if isinstance(weight, PanelPacked):  # invariant as it is
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return weight.ops.panels_linear(x, weight.packed, bias)
     if isinstance(weight, PairPacked):  # invariant as it is
         if x.stride(-1) != 1:
             x = x.contiguous()

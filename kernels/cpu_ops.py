@@ -28,8 +28,9 @@ from kernels.cpu_flags import ISA_LEVELS, cpu_isa
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-# Compiled into the same module: the bfloat16 linear layers on AVX-512 BF16 (kernels/cpu_linear.py).
-SOURCES = (SOURCE, SOURCE.parent / "pair_gemm.cpp")
+# Compiled into the same module: the linear layers' own GEMMs (kernels/cpu_linear.py), bfloat16
+# on AVX-512 BF16 and float32 on FMA vectors.
+SOURCES = (SOURCE, SOURCE.parent / "pair_gemm.cpp", SOURCE.parent / "panel_gemm.cpp")
 _X86 = platform.machine() in ("x86_64", "AMD64")
 _COMMON_X86 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"]
 # What ATen passes when it compiles its own kernels for each capability.

@@ -31,13 +31,15 @@ def test_packed_linear_matches_f_linear(dtype, with_bias, rows):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_float32_weights_are_packed_where_onednn_is_available():
+def test_float32_weights_are_packed_where_onednn_is_available(monkeypatch):
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "onednn")
     w = torch.randn(8, 16)
     assert cpu_linear.pack(w).is_mkldnn == torch.backends.mkldnn.is_available()
 
 
 def test_disabled_by_environment_keeps_weights_dense(monkeypatch):
     monkeypatch.setenv("PREFIXMESH_ONEDNN", "0")
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "onednn")  # not the panel GEMM either
     w = torch.randn(8, 16)
     assert cpu_linear.pack(w) is w
     x = torch.randn(3, 16)
@@ -45,6 +47,8 @@ def test_disabled_by_environment_keeps_weights_dense(monkeypatch):
 
 
 def test_unsupported_dtype_falls_back_to_dense(monkeypatch):
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "onednn")
+
     def no_kernel(*args):
         raise RuntimeError("could not create a primitive descriptor")
 
@@ -223,3 +227,121 @@ def test_bf16_gemm_mode_names_the_allowed_values(monkeypatch):
     monkeypatch.setenv(cpu_linear.GEMM_ENV, "fast")
     with pytest.raises(ValueError, match="auto, pairs, emulated, onednn"):
         cpu_linear.bf16_gemm_mode()
+
+
+# --------------------------------------------------------------------------- the panel GEMM
+# kernels/csrc/panel_gemm.cpp: float32 weights packed in panels of one vector of features. Every
+# kernel build this machine runs (the plain one included) is tested in this process.
+def _panel_builds() -> list:
+    from kernels import cpu_ops
+
+    builds = [cpu_ops.build_isa(cap) for cap in cpu_flags.supported_isas()]
+    return sorted(set(builds)) if cpu_ops.load() is not None else []
+
+
+PANEL_BUILDS = _panel_builds()
+
+
+def _panels(weight: torch.Tensor, build: str) -> cpu_linear.PanelPacked:
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load(build)
+    return cpu_linear.PanelPacked(ops.pack_panels(weight), ops)
+
+
+@pytest.mark.parametrize("build", PANEL_BUILDS)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 64])
+# Items of 1, 2 and 3 blocks (5 blocks: items of one), and SmolLM2's qkv.
+@pytest.mark.parametrize("blocks_in", [(1, 3), (2, 96), (3, 96), (5, 34), (0, 576)])
+def test_panel_gemm_matches_the_float64_product(build, with_bias, rows, blocks_in):
+    from kernels import cpu_ops
+
+    blocks, k = blocks_in
+    n = blocks * cpu_ops.load(build).panel_width() if blocks else 960
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    b = torch.randn(n, generator=gen) if with_bias else None
+    got = cpu_linear.linear(x, _panels(w, build), b)
+    want = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.parametrize("build", PANEL_BUILDS)
+def test_panel_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(build):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 576, generator=gen)
+    packed = _panels(torch.randn(960, 576, generator=gen) * 0.05, build)
+    full = cpu_linear.linear(x, packed)
+    for a, b in [(0, 1), (3, 11), (9, 70), (69, 70), (0, 64)]:
+        assert torch.equal(cpu_linear.linear(x[a:b], packed), full[a:b]), (a, b)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(cpu_linear.linear(x, packed), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("build", PANEL_BUILDS)
+def test_panel_gemm_strided_rows_and_empty_batches(build):
+    gen = torch.Generator().manual_seed(9)
+    packed = _panels(torch.randn(48, 64, generator=gen), build)
+    x = torch.randn(5, 100, generator=gen)[:, 10:74]  # rows 100 apart
+    assert torch.equal(cpu_linear.linear(x, packed), cpu_linear.linear(x.contiguous(), packed))
+    assert cpu_linear.linear(x[:0], packed).shape == (0, 48)
+
+
+@pytest.mark.skipif(not PANEL_BUILDS, reason="the C++ kernels do not build here")
+def test_pack_panels_takes_only_what_it_can_multiply():
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    width = ops.panel_width()
+    assert cpu_linear.pack_panels(torch.randn(48, 64).bfloat16(), "panels") is None
+    assert cpu_linear.pack_panels(torch.randn(width + 1, 64), "panels") is None
+    assert cpu_linear.pack_panels(torch.randn(48, 64), "onednn") is None
+    assert isinstance(cpu_linear.pack_panels(torch.randn(48, 64), "panels"), cpu_linear.PanelPacked)
+    with pytest.raises(RuntimeError, match=f"multiple of {width}"):
+        ops.pack_panels(torch.randn(width + 1, 64))
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        ops.panels_linear(torch.randn(2, 32), ops.pack_panels(torch.randn(48, 64)))
+
+
+@pytest.mark.skipif(not PANEL_BUILDS, reason="the C++ kernels do not build here")
+@pytest.mark.parametrize(
+    ("build", "mode", "panels"),
+    [
+        ("avx2", "auto", True),  # measured faster there (docs/benchmarks.md)
+        ("avx512", "auto", False),  # not measured yet: oneDNN
+        ("generic", "auto", False),
+        ("generic", "panels", True),
+        ("avx2", "onednn", False),
+    ],
+)
+def test_f32_gemm_choice(monkeypatch, build, mode, panels):
+    from kernels import cpu_ops
+
+    class Build:  # the kernels module as each build names itself; packs as this machine's
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def isa(self) -> str:
+            return f"{build} (8 floats)"
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    real = cpu_ops.load()
+    monkeypatch.setattr(cpu_ops, "load", lambda isa=None: Build(real))
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, mode)
+    got = cpu_linear.pack(torch.randn(48, 64))
+    assert isinstance(got, cpu_linear.PanelPacked) == panels
+
+
+def test_f32_gemm_mode_names_the_allowed_values(monkeypatch):
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="auto, panels, onednn"):
+        cpu_linear.f32_gemm_mode()

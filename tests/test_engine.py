@@ -50,23 +50,50 @@ def run_greedy(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
-def test_batch_matches_hugging_face(tiny_model_dir, hf_model):
+def use_f32_gemm(monkeypatch, mode: str) -> None:
+    """Pack float32 weights for ``mode``'s GEMM (kernels/cpu_linear.py) in engines made next."""
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, mode)
+
+
+def check_f32_gemm(llm: LLM, mode: str) -> None:
+    # With the kernels built, "panels" must really put every layer on the panel GEMM.
+    from kernels import cpu_ops
+
+    if mode == "panels" and cpu_ops.load() is not None:
+        layer = llm.engine.runner.model.layers[0]
+        assert all(
+            isinstance(layer[w], cpu_linear.PanelPacked) for w in ("qkv", "o", "gate_up", "down")
+        )
+
+
+# Both float32 GEMMs on every machine: oneDNN, and our panel GEMM (kernels/csrc/panel_gemm.cpp).
+F32_GEMMS = ["onednn", "panels"]
+
+
+@pytest.mark.parametrize("gemm", F32_GEMMS)
+def test_batch_matches_hugging_face(tiny_model_dir, hf_model, monkeypatch, gemm):
+    use_f32_gemm(monkeypatch, gemm)
     prompts = random_prompts(8, (1, 300))
     llm = make_llm(tiny_model_dir, max_num_batched_tokens=4096)
+    check_f32_gemm(llm, gemm)
     ours = run_greedy(llm, prompts)
     for prompt, got in zip(prompts, ours):
         assert got == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
 
 
-def test_qwen2_with_qkv_bias_matches_hugging_face(tmp_path):
+@pytest.mark.parametrize("gemm", F32_GEMMS)
+def test_qwen2_with_qkv_bias_matches_hugging_face(tmp_path, monkeypatch, gemm):
     from transformers import AutoModelForCausalLM
 
+    use_f32_gemm(monkeypatch, gemm)
     folder = make_tiny_model_dir(tmp_path / "qwen2", family="qwen2")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = random_prompts(4, (1, 120), seed=3)
     # min_tokens masks EOS as Hugging Face's min_new_tokens does (ignore_eos alone does not).
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
-    ours = run_greedy(make_llm(folder), prompts, params)
+    llm = make_llm(folder)
+    check_f32_gemm(llm, gemm)
+    ours = run_greedy(llm, prompts, params)
     for prompt, got in zip(prompts, ours):
         assert got == hf_greedy(hf, prompt, GREEDY.max_tokens)
 

@@ -1161,12 +1161,16 @@ std::string isa() {
   return name + " (" + std::to_string(W) + " floats)";
 }
 
-// The bfloat16 linear layers on AVX-512 BF16 (kernels/csrc/pair_gemm.cpp).
+// The linear layers: bfloat16 on AVX-512 BF16 (kernels/csrc/pair_gemm.cpp) and float32.
 namespace pm {
 bool pairs_hardware();
 at::Tensor pack_pairs(at::Tensor weight);
 at::Tensor pairs_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                         bool emulate);
+// The float32 linear layers (kernels/csrc/panel_gemm.cpp).
+int64_t panel_width();
+at::Tensor pack_panels(at::Tensor weight);
+at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
 }  // namespace pm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1187,4 +1191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pairs_linear", &pm::pairs_linear, "x @ weight.T (+ bias) on a pair-packed weight",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
         py::arg("emulate") = false);
+  m.def("panel_width", &pm::panel_width, "float32 output features per panel in this build");
+  m.def("pack_panels", &pm::pack_panels, "a float32 [out, in] weight packed for panels_linear");
+  m.def("panels_linear", &pm::panels_linear, "x @ weight.T (+ bias) on a panel-packed weight",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
 }

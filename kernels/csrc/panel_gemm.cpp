@@ -1,0 +1,153 @@
+// float32 GEMM on the widest FMA vectors, for the linear layers of float32 models.
+//
+// out[m][n] = sum_k x[m][k] * w[n][k] (+ bias[n]), float32 in, out and in the sums.
+//
+// Why our own: float32 is the default dtype on CPUs without native bfloat16 (AVX2 machines),
+// where the linear layers are three quarters of a decode step. oneDNN's float32 inner product
+// reaches 60-75% of the FMA units' peak at SmolLM2's shapes (docs/benchmarks.md) and costs a
+// primitive lookup per call; the loop below keeps the units busier and streams each weight once
+// per call at any row count.
+//
+// Layout: the weight [N, K] is packed once into panels [N / W][K][W] (W = floats in a vector
+// of this build: 8 under AVX2, 16 under AVX-512): for each block of W output features, for
+// each input k, the W features' weights side by side, so one vector load is one operand of an
+// FMA. A work item is NT blocks; for MR rows at a time it keeps MR x NT vector accumulators in
+// registers, and for each input k loads NT weight vectors, broadcasts each row's x[m][k] and
+// multiplies it in. Items are spread over the threads; each streams its own panels once from
+// memory, then from cache for the next MR rows.
+//
+// Written against ATen's portable vectors, so each ISA build (kernels/cpu_ops.py) compiles it
+// for its own width, and the plain build runs the same loop on any CPU. Every row is summed in
+// the same order (k = 0, 1, ..., K - 1, one FMA chain per output) whatever the number of rows
+// or threads, so a row's result never depends on what it is batched with.
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+namespace pm {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t W = fVec::size();
+
+// Rows per register tile, and blocks per work item where the block count allows: MR x 3
+// accumulators, 3 weight vectors and a broadcast fill the register file: 4 x 3 + 4 = 16 under
+// AVX2 (4 x 3 ran as fast as 6 x 2 at 64 rows and 5-40% faster at 1-16, docs/benchmarks.md),
+// 8 x 3 + 4 = 28 of 32 under AVX-512.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int MR = 8;
+#else
+constexpr int MR = 4;
+#endif
+constexpr int NT_MAX = 3;
+
+inline int blocks_per_item(int64_t blocks) {
+  for (int nt = NT_MAX; nt > 1; --nt)
+    if (blocks % nt == 0) return nt;
+  return 1;
+}
+
+// R rows x NT blocks of the output, every input k.
+template <int R, int NT>
+inline void tile(const float* x, int64_t x_stride, int64_t K, const float* w, const float* bias,
+                 float* out, int64_t out_stride) {
+  fVec acc[R][NT];
+  for (int m = 0; m < R; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = fVec(0.f);
+  const float* wt[NT];
+  for (int t = 0; t < NT; ++t) wt[t] = w + t * K * W;
+  for (int64_t k = 0; k < K; ++k) {
+    fVec wv[NT];
+    for (int t = 0; t < NT; ++t) wv[t] = fVec::loadu(wt[t] + k * W);
+    for (int m = 0; m < R; ++m) {
+      const fVec a(x[m * x_stride + k]);
+      for (int t = 0; t < NT; ++t) acc[m][t] = at::vec::fmadd(a, wv[t], acc[m][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const fVec b = bias ? fVec::loadu(bias + t * W) : fVec(0.f);
+    for (int m = 0; m < R; ++m) {
+      const fVec v = bias ? acc[m][t] + b : acc[m][t];
+      v.store(out + m * out_stride + t * W);
+    }
+  }
+}
+
+// The last `rows` (< MR) rows of an item, with a tile of exactly that many rows.
+template <int NT, int R = 1>
+void tail(int64_t rows, const float* x, int64_t x_stride, int64_t K, const float* w,
+          const float* bias, float* out, int64_t out_stride) {
+  if constexpr (R < MR) {
+    if (rows == R) return tile<R, NT>(x, x_stride, K, w, bias, out, out_stride);
+    return tail<NT, R + 1>(rows, x, x_stride, K, w, bias, out, out_stride);
+  }
+}
+
+template <int NT>
+void item(const float* x, int64_t x_stride, int64_t M, int64_t K, const float* panels,
+          const float* bias, float* out, int64_t N, int64_t first_block) {
+  const float* w = panels + first_block * K * W;
+  const int64_t n0 = first_block * W;
+  const float* b = bias ? bias + n0 : nullptr;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<MR, NT>(x + m * x_stride, x_stride, K, w, b, out + m * N + n0, N);
+  if (m < M) tail<NT>(M - m, x + m * x_stride, x_stride, K, w, b, out + m * N + n0, N);
+}
+
+}  // namespace
+
+int64_t panel_width() { return W; }
+
+at::Tensor pack_panels(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "weight must be a 2-D float32 [out, in] tensor");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % W == 0, "panel packing needs out features a multiple of ", W, " (got ", N, ")");
+  const auto w = weight.contiguous();
+  auto packed = at::empty({N / W, K, W}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, N / W, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < W; ++j) dst[(b * K + k) * W + j] = src[(b * W + j) * K + k];
+  });
+  return packed;
+}
+
+at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "x must be 2-D float32 with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == W && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat,
+              "packed must come from pack_panels of this build (", W, " floats a panel)");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = blocks * W;
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the weight ", packed.size(1));
+  const float* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    bias_c = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_c.numel() == N, "bias must have ", N, " elements");
+    b = bias_c.data_ptr<float>();
+  }
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const int NT = blocks_per_item(blocks);
+  at::parallel_for(0, blocks / NT, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      switch (NT) {
+        case 3: item<3>(xp, xs, M, K, wp, b, op, N, i * 3); break;
+        case 2: item<2>(xp, xs, M, K, wp, b, op, N, i * 2); break;
+        default: item<1>(xp, xs, M, K, wp, b, op, N, i); break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace pm
