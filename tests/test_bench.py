@@ -198,26 +198,33 @@ def test_fetch_bench_fetches_the_prefix_and_reports_the_transfer(tiny_model_dir,
     assert "of which fetched [96, 96]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gemm_bench_times_both_gemms_at_every_row_count_and_the_engine_both_ways(
-    tiny_model_dir, tmp_path, capsys
+    tiny_model_dir, tmp_path, capsys, dtype
 ):
     from kernels import cpu_ops
 
     out = tmp_path / "gemm.json"
     argv = ["gemm", "--model", str(tiny_model_dir), "--rows", "1,3", "--layers", "1",
-            "--rounds", "1", "--engine-rounds", "1", "--json", str(out)]  # fmt: skip
+            "--rounds", "1", "--engine-rounds", "1", "--dtype", dtype, "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
-    hardware = cpu_ops.load().pairs_hardware()
-    assert result["pairs_path"] == ("pairs" if hardware else "emulated")
+    if dtype == "bfloat16":
+        own = "pairs"
+        assert result["own_path"] == ("pairs" if cpu_ops.load().pairs_hardware() else "emulated")
+    else:
+        own = "panels"
+        assert result["own_path"] == "panels"
     assert [line["rows"] for line in result["gemm"]] == [1, 3]
+    size = 2 if dtype == "bfloat16" else 4
     for line in result["gemm"]:
-        assert line["onednn"]["ms"] > 0 and line["pairs"]["ms"] > 0
-        assert line["speedup"] == line["onednn"]["ms"] / line["pairs"]["ms"]
-        # Rates from the same milliseconds: GFLOP/s = 2 x rows x elements, GB/s = 2 x elements.
-        assert abs(line["pairs"]["gflops"] / line["pairs"]["gb_s"] - line["rows"]) < 1e-6
+        assert line["onednn"]["ms"] > 0 and line[own]["ms"] > 0
+        assert line["speedup"] == line["onednn"]["ms"] / line[own]["ms"]
+        # Rates from the same milliseconds: GFLOP/s = 2 x rows x elements, GB/s = size x elements.
+        assert abs(line[own]["gflops"] / line[own]["gb_s"] - 2 * line["rows"] / size) < 1e-6
     # One round of the engine per GEMM, both workloads measured.
-    assert [row["gemm"] for row in result["engine"]] == ["onednn", result["pairs_path"]]
+    assert [row["gemm"] for row in result["engine"]] == ["onednn", result["own_path"]]
     assert all(row["throughput_tok_s"] > 0 and row["varied_tok_s"] > 0 for row in result["engine"])
     printed = capsys.readouterr().out
-    assert "pair GEMM: " in printed and "speed-up" in printed
+    assert ("pair GEMM: " if dtype == "bfloat16" else "panel GEMM, build") in printed
+    assert "speed-up" in printed
