@@ -7,7 +7,11 @@ a prefill chunk has more, with any number of cached tokens before it (a prefix-c
 earlier chunk). Attention is causal among the new tokens and full over the cached prefix.
 
 KV cache, per layer: ``k_cache`` and ``v_cache`` of shape
-``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of sequence ``b`` lives in block
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (made by :func:`new_kv_cache`). Values are
+contiguous; keys are either contiguous (``rows``) or a permuted view of
+``[num_blocks, num_kv_heads, head_dim, block_size]`` storage (``tokens``: token-minor, so one
+dimension of a block's tokens is contiguous for the CPU kernel's scores). Both are the same
+tensor to torch: indexing, copies and the wire format of fetched blocks do not depend on it. Token ``t`` of sequence ``b`` lives in block
 ``block_tables[b, t // block_size]`` at offset ``t % block_size``; ``slot_mapping[i]`` is the flat
 slot ``block * block_size + offset`` for new token ``i``. Queries have ``num_heads`` heads, a
 multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV head ``h // (num_heads //
@@ -45,6 +49,38 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+KEY_LAYOUTS = ("rows", "tokens")
+
+
+def new_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    key_layout: str = "rows",
+    pin_memory: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed ``(k_cache, v_cache)``, both ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``, the keys in ``key_layout`` (see the module's docstring)."""
+    if key_layout not in KEY_LAYOUTS:
+        raise ValueError(f"key_layout must be one of {KEY_LAYOUTS} (got {key_layout!r})")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    opts = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
+    values = torch.zeros(shape, **opts)
+    if key_layout == "rows":
+        return torch.zeros(shape, **opts), values
+    keys = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, **opts)
+    return keys.permute(0, 3, 1, 2), values
+
+
+def key_layout_of(k_cache: torch.Tensor) -> str:
+    """``rows`` or ``tokens``: how ``k_cache`` (made by :func:`new_kv_cache`) is stored."""
+    return "rows" if k_cache.is_contiguous() else "tokens"
+
+
 class AttentionBackend(ABC):
     """Writes new keys/values into the paged cache and attends over it.
 
@@ -52,6 +88,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+
+    def key_layout(self, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+        """The key cache layout this backend reads fastest (``KEY_LAYOUTS``)."""
+        return "rows"
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:  # noqa: B027
         """Called once per step before the layers run (precompute per-step indices)."""

@@ -16,12 +16,13 @@ and reused by every layer.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.interface import KEY_LAYOUTS, AttentionBackend, AttentionMetadata
 
 
 @dataclass(slots=True)
@@ -134,10 +135,30 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_rows[-1] + 1,
             )
 
+    def key_layout(self, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+        """``tokens`` where the C++ kernel scores keys with FMAs (no sums across a vector's
+        lanes in that layout); ``rows`` on the torch path, and for bfloat16 on an AMX build,
+        whose tile unit scores keys in rows. ``PREFIXMESH_KEY_LAYOUT=rows|tokens`` overrides
+        ``auto`` (where the kernel can read the layout), for A/B runs and tests."""
+        setting = os.environ.get("PREFIXMESH_KEY_LAYOUT", "auto")
+        if setting not in ("auto", *KEY_LAYOUTS):
+            raise ValueError(f"PREFIXMESH_KEY_LAYOUT must be auto, rows or tokens, got {setting!r}")
+        kernel = self._cpu_kernel if self._use_cpu_kernel else None
+        if kernel is None or block_size % kernel.vector_width() != 0:
+            return "rows"
+        if setting != "auto":
+            return setting
+        tiles = kernel.isa().startswith("amx") and dtype == torch.bfloat16
+        return "rows" if tiles else "tokens"
+
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         self.kv_written(key, value)
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        if k_cache.is_contiguous():
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        else:  # token-minor keys: the same slots, through the permuted view
+            block_size = k_cache.shape[1]
+            k_cache[slot_mapping // block_size, slot_mapping % block_size] = key
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import get_backend
-from kernels.interface import AttentionMetadata
+from kernels.interface import AttentionMetadata, new_kv_cache
 from replica import config
 from replica.model import LlamaModel
 from replica.model_config import ModelConfig
@@ -49,20 +49,20 @@ class ModelRunner:
         self.model = LlamaModel(
             model_config, weights, self.attention, dtype, device, max_model_len, batch_invariant
         )
-        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        heads, head_dim = model_config.num_kv_heads, model_config.head_dim
+        # Keys in the layout the attention backend reads fastest (kernels.interface).
+        self.key_layout = self.attention.key_layout(dtype, block_size, head_dim)
+        layout = {"dtype": dtype, "key_layout": self.key_layout}
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            new_kv_cache(num_blocks, block_size, heads, head_dim, device=device, **layout)
             for _ in range(model_config.num_layers)
-        ]  # fmt: skip
+        ]
         # Host swap space for preempted sequences (pinned when the device is a GPU).
         pin = device.type == "cuda"
-        host_shape = (num_host_blocks, *shape[1:])
         self.host_caches = [
-            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
-             torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            new_kv_cache(num_host_blocks, block_size, heads, head_dim, pin_memory=pin, **layout)
             for _ in range(model_config.num_layers if num_host_blocks else 0)
-        ]  # fmt: skip
+        ]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks within the device pool (copy-on-write)."""

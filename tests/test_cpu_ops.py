@@ -24,6 +24,7 @@ from helpers import run_under_cap
 from test_kernels import Case, check_close
 
 from kernels import cpu_flags, cpu_ops
+from kernels.interface import KEY_LAYOUTS, key_layout_of, new_kv_cache
 from kernels.torch_ref import TorchAttentionBackend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,13 +47,16 @@ def _ops(isa: str):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128])
 @pytest.mark.parametrize("many", [False, True], ids=["per-kv-head", "per-sequence"])
-def test_decode_attention_matches_the_reference(isa, dtype, head_dim, many):
+@pytest.mark.parametrize("keys", KEY_LAYOUTS)
+def test_decode_attention_matches_the_reference(isa, dtype, head_dim, many, keys):
     # Whole sequences per thread when there are at least 4 per thread, else one (sequence, KV
-    # head) per work item; contexts that are not multiples of the vector width; GQA of 3.
+    # head) per work item; contexts that are not multiples of the vector width; GQA of 3; keys
+    # in rows or token-minor (kernels.interface), blocks of 16 and 32.
     rng = random.Random(head_dim)
     count = 4 * torch.get_num_threads() + 3 if many else 2
     seqs = [(rng.randint(1, 120), 1) for _ in range(count)]
-    case = Case(seqs, 16, 6, 2, head_dim, dtype, seed=head_dim)
+    block_size = 32 if many else 16
+    case = Case(seqs, block_size, 6, 2, head_dim, dtype, seed=head_dim, key_layout=keys)
     backend = TorchAttentionBackend(isa=isa)
     assert backend._cpu_kernel is _ops(isa)
     out, _, _ = case.run(backend)
@@ -62,12 +66,13 @@ def test_decode_attention_matches_the_reference(isa, dtype, head_dim, many):
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 128])
-def test_a_step_with_prefills_runs_in_one_kernel_call(isa, dtype, head_dim):
+@pytest.mark.parametrize("keys", KEY_LAYOUTS)
+def test_a_step_with_prefills_runs_in_one_kernel_call(isa, dtype, head_dim, keys):
     # paged_prefill: plain prefills (causal among their own tokens) shorter and longer than a
     # query tile (16 tokens), chunks after a cached prefix, decodes, contexts across blocks and
-    # not multiples of the vector width; GQA of 3.
+    # not multiples of the vector width; GQA of 3; keys in rows or token-minor.
     seqs = [(0, 37), (45, 20), (70, 1), (0, 1), (16, 16), (0, 2), (100, 33)]
-    case = Case(seqs, 16, 6, 2, head_dim, dtype, seed=head_dim)
+    case = Case(seqs, 16, 6, 2, head_dim, dtype, seed=head_dim, key_layout=keys)
     backend = TorchAttentionBackend(isa=isa)
     calls = []
     kernel = backend._cpu_kernel
@@ -77,7 +82,7 @@ def test_a_step_with_prefills_runs_in_one_kernel_call(isa, dtype, head_dim):
     check_close(out, case.naive(), dtype)
     # The torch path (SDPA per prefill) computes the same attention, and so does the kernel
     # backend with prefills switched back to SDPA (what `bench prefill` compares).
-    torch_out, _, _ = case.run(TorchAttentionBackend(use_cpu_kernel=False))
+    torch_out, _, _ = case.run(TorchAttentionBackend(use_cpu_kernel=False))  # either layout
     check_close(out, torch_out.to(torch.float64), dtype)
     backend.prefill_in_kernel = False
     calls.clear()
@@ -171,6 +176,73 @@ class _Recording:
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+def test_a_key_cache_layout_the_kernels_cannot_read_is_refused(isa):
+    ops = _ops(isa)
+    case = Case([(20, 1), (40, 1)], 16, 6, 2, 64, torch.float32)
+    k_cache, v_cache = case.caches()
+    lens, tables = case.meta.seq_lens, case.meta.block_tables
+    # Heads outermost: neither rows nor token-minor.
+    odd = k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    with pytest.raises(RuntimeError, match="contiguous, or token-minor"):
+        ops.paged_decode(case.query, odd, v_cache, tables, lens, case.scale)
+    with pytest.raises(RuntimeError, match="v_cache must be contiguous"):
+        ops.paged_decode(case.query, k_cache, odd, tables, lens, case.scale)
+    # Token-minor keys need whole vectors of tokens in a block.
+    narrow, _ = new_kv_cache(4, 4, 2, 64, dtype=torch.float32, key_layout="tokens")
+    with pytest.raises(RuntimeError, match="multiple of"):
+        ops.read_kv_once(narrow, torch.zeros(4, 4, 2, 64), tables[:, :1] % 4, lens.clamp(max=4))
+
+
+class _FakeKernel:
+    def __init__(self, isa: str, width: int) -> None:
+        self._isa, self._width = isa, width
+
+    def isa(self) -> str:
+        return self._isa
+
+    def vector_width(self) -> int:
+        return self._width
+
+
+@pytest.mark.parametrize(
+    ("isa", "width", "dtype", "block", "expected"),
+    [
+        ("amx (16 floats)", 16, torch.bfloat16, 16, "rows"),  # keys scored on AMX tiles
+        ("amx (16 floats)", 16, torch.float32, 16, "tokens"),
+        ("avx512 (16 floats)", 16, torch.bfloat16, 16, "tokens"),
+        ("avx2 (8 floats)", 8, torch.float32, 16, "tokens"),
+        ("avx512 (16 floats)", 16, torch.float32, 8, "rows"),  # a block narrower than a vector
+    ],
+)
+def test_the_backend_chooses_the_key_layout_its_kernel_reads_fastest(
+    monkeypatch, isa, width, dtype, block, expected
+):
+    monkeypatch.delenv("PREFIXMESH_KEY_LAYOUT", raising=False)
+    backend = TorchAttentionBackend(use_cpu_kernel=False)
+    assert backend.key_layout(dtype, block, 64) == "rows"  # the torch path: rows
+    backend._cpu_kernel, backend._use_cpu_kernel = _FakeKernel(isa, width), True
+    assert backend.key_layout(dtype, block, 64) == expected
+    monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", "rows")
+    assert backend.key_layout(dtype, block, 64) == "rows"
+    monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", "tokens")
+    assert backend.key_layout(dtype, block, 64) == ("tokens" if block % width == 0 else "rows")
+    monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", "columns")
+    with pytest.raises(ValueError, match="auto, rows or tokens"):
+        backend.key_layout(dtype, block, 64)
+
+
+def test_new_kv_cache_makes_both_layouts_as_one_logical_shape():
+    for keys in KEY_LAYOUTS:
+        k, v = new_kv_cache(3, 16, 2, 8, dtype=torch.bfloat16, key_layout=keys)
+        assert k.shape == v.shape == (3, 16, 2, 8) and v.is_contiguous()
+        assert key_layout_of(k) == keys and not k.any()
+    k, _ = new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="tokens")
+    assert k.stride() == (2 * 8 * 16, 1, 8 * 16, 16)  # [blocks, heads, dims, tokens] storage
+    with pytest.raises(ValueError, match="key_layout"):
+        new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="columns")
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 def test_decode_attention_reads_a_strided_query(isa):
     # The model hands the kernel the query columns of the fused qkv projection: a view whose
     # rows are wider than the query.
@@ -222,16 +294,16 @@ def test_rms_norm_and_its_residual_add(isa, dtype, width):
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 16])
-def test_rope_rotates_q_and_k_and_writes_the_cache(isa, dtype, head_dim):
+@pytest.mark.parametrize(("keys", "block"), [("rows", 4), ("tokens", 16)])
+def test_rope_rotates_q_and_k_and_writes_the_cache(isa, dtype, head_dim, keys, block):
     ops = _ops(isa)
-    heads, kv_heads, tokens, block = 6, 2, 5, 4
+    heads, kv_heads, tokens = 6, 2, 5
     gen = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     positions = torch.tensor([0, 3, 17, 4, 9])
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.outer(torch.arange(32).float(), inv_freq)
-    k_cache = torch.zeros(8, block, kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = new_kv_cache(8, block, kv_heads, head_dim, dtype=dtype, key_layout=keys)
     slots = torch.tensor([5, 30, -1, 0, 12])  # -1: a padding token, written nowhere
     # The reference: Hugging Face's rotate-half RoPE in float32 on every head.
     cos = torch.cat([freqs.cos(), freqs.cos()], -1)[positions][:, None, :]
@@ -247,7 +319,8 @@ def test_rope_rotates_q_and_k_and_writes_the_cache(isa, dtype, head_dim):
     )  # fmt: skip
     got = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
     _close(got, expected, dtype)
-    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    # (reshape: a copy for token-minor keys, read only)
+    flat_k, flat_v = k_cache.reshape(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             assert torch.equal(flat_k[slot], got[t, heads : heads + kv_heads])

@@ -10,6 +10,7 @@ import torch
 from helpers import make_tiny_model_dir, pair_modes
 
 from kernels import cpu_linear
+from kernels.interface import key_layout_of
 from replica import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -78,6 +79,22 @@ def test_batch_matches_hugging_face(tiny_model_dir, hf_model, monkeypatch, gemm)
     check_f32_gemm(llm, gemm)
     ours = run_greedy(llm, prompts)
     for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("keys", ["rows", "tokens"])
+def test_either_key_cache_layout_matches_hugging_face(tiny_model_dir, hf_model, monkeypatch, keys):
+    # Keys in rows (AMX machines' bfloat16 default) or token-minor (every other CPU's, where the
+    # kernels build): prefill, chunked prefill and decode read the layout the engine allocated.
+    from kernels import cpu_ops
+
+    monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", keys)
+    prompts = random_prompts(6, (1, 300), seed=11)
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=128)
+    if cpu_ops.load() is not None:
+        assert llm.engine.runner.key_layout == keys
+        assert key_layout_of(llm.engine.runner.kv_caches[0][0]) == keys
+    for prompt, got in zip(prompts, run_greedy(llm, prompts)):
         assert got == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
 
 

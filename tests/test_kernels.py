@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from kernels.interface import AttentionMetadata
+from kernels.interface import AttentionMetadata, new_kv_cache
 from kernels.torch_ref import TorchAttentionBackend
 from kernels.triton_backend import TritonAttentionBackend
 
@@ -47,8 +47,10 @@ class Case:
         head_dim: int,
         dtype: torch.dtype,
         seed: int = 0,
+        key_layout: str = "rows",
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
+        self.key_layout = key_layout  # of the caches run() hands the backend
         self.seqs = seqs
         self.block_size = block_size
         self.dtype = dtype
@@ -108,8 +110,14 @@ class Case:
         )
 
     def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh copies of the prefix-only caches (each backend writes its own new tokens)."""
-        return self.k_cache.clone(), self.v_cache.clone()
+        """Fresh copies of the prefix-only caches (each backend writes its own new tokens), the
+        keys in this case's layout (``kernels.interface.new_kv_cache``)."""
+        num_blocks, block_size, heads, head_dim = self.k_cache.shape
+        k_cache, v_cache = new_kv_cache(
+            num_blocks, block_size, heads, head_dim, dtype=self.dtype,
+            device=self.k_cache.device, key_layout=self.key_layout,
+        )  # fmt: skip
+        return k_cache.copy_(self.k_cache), v_cache.copy_(self.v_cache)
 
     def run(self, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k_cache, v_cache = self.caches()

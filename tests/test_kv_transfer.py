@@ -66,6 +66,28 @@ def test_fetched_prefix_gives_the_cold_output(tiny_model_dir, dtype):
         assert llm.engine.get_stats().free_blocks == llm.engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize(("src_keys", "dst_keys"), [("rows", "tokens"), ("tokens", "rows")])
+def test_blocks_move_between_replicas_that_store_keys_differently(
+    tiny_model_dir, monkeypatch, src_keys, dst_keys
+):
+    # An AMX replica keeps bfloat16 keys in rows, others token-minor (kernels.interface): the
+    # wire format is the logical [block_size, kv_heads, head_dim], whatever either side stores.
+    monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", src_keys)
+    src = make_llm(tiny_model_dir)
+    monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", dst_keys)
+    dst, cold = make_llm(tiny_model_dir), make_llm(tiny_model_dir)
+    if src.engine.runner.key_layout == dst.engine.runner.key_layout:
+        pytest.skip("no C++ kernels here: both replicas keep keys in rows")
+    ids = prompt(100, seed=5)
+    src.generate([ids], GREEDY)
+    assert transfer(src, dst, ids + [7, 8, 9]) == 6
+    fetched = dst.generate([ids + [7, 8, 9]], GREEDY)[0]
+    assert fetched.num_cached_tokens == 96
+    assert fetched.token_ids == cold.generate([ids + [7, 8, 9]], GREEDY)[0].token_ids
+    for llm in (src, dst, cold):
+        llm.engine.check_integrity()
+
+
 def test_pinned_blocks_survive_eviction_and_are_released(tiny_model_dir):
     src = make_llm(tiny_model_dir, num_kv_blocks=12)
     ids = prompt(100)

@@ -138,6 +138,24 @@ inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t ro
   }
 }
 
+// ---------------------------------------------------------------- key cache layouts
+// Elements per block of a token-minor key cache (see "keys in token-minor order" below), or 0
+// for one in rows (contiguous [blocks, BS, KVH, D]); anything else is refused.
+int64_t key_block_elements(const at::Tensor& k) {
+  TORCH_CHECK(k.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  if (k.is_contiguous()) return 0;
+  const int64_t BS = k.size(1), KVH = k.size(2), D = k.size(3);
+  const bool tokens = k.stride(1) == 1 && k.stride(3) == BS && k.stride(2) == D * BS &&
+                      (k.size(0) == 1 || k.stride(0) == KVH * D * BS);
+  TORCH_CHECK(tokens,
+              "k_cache must be contiguous, or token-minor: the [num_blocks, block_size, "
+              "num_kv_heads, head_dim] view of [num_blocks, num_kv_heads, head_dim, block_size] "
+              "storage (kernels.interface.new_kv_cache)");
+  TORCH_CHECK(BS % W == 0, "token-minor keys need block_size to be a multiple of ", W,
+              " (this build's vector width), got ", BS);
+  return KVH * D * BS;
+}
+
 // ---------------------------------------------------------------- paged decode attention
 // One query token per sequence, attending to its whole context through its block table.
 // A work item is one sequence and a range of its KV heads. For each KV head, a first pass
@@ -253,6 +271,94 @@ void attend_heads(const fVec* qv, const T* kc, const T* vc, const int64_t* rows,
   float inv_sum[GB];
   for (int g = 0; g < GB; ++g) inv_sum[g] = softmax_padded<T>(scores + g * stride, len, stride);
   weigh_values<T, D, GB>(scores, inv_sum, vc, rows, len, off, out, stride);
+}
+
+// ---------------------------------------------------------------- keys in token-minor order
+// The key cache can also be kept token-minor: stored [blocks, KVH, D, BS] and handed to torch as
+// a permuted view of shape [blocks, BS, KVH, D] (kernels.interface.new_kv_cache), so that one
+// dimension of a block's BS tokens is contiguous. A vector then holds that dimension for W
+// tokens, and W scores are D FMAs of the broadcast query element against it: no sum across a
+// vector's lanes, which is what the row layout's scores spend most of their time on
+// (docs/benchmarks.md). Values stay in rows: the weighted sum broadcasts a probability against
+// a row of head_dim either way. Each (block, KV head)'s keys are one contiguous run of D * BS.
+//
+// Registers: GB heads x TU token vectors of accumulators, TU loaded keys and one broadcast
+// query element, within the 16 (AVX2) or 32 (AVX-512) vector registers.
+constexpr int VREGS = W >= 16 ? 32 : 16;
+template <int GB>
+constexpr int token_unroll() {
+  return std::max(1, std::min(4, (VREGS - 4) / (GB + 1)));
+}
+
+// scores[g][v * W + j] for TU token vectors v = first..first + TU - 1: tv[v] points at dimension
+// 0 of those W tokens (dimension d is BS elements further on).
+// Not inlined: inside the caller's loops GCC keeps the accumulators of the shorter tails on
+// the stack, a store and a load per FMA.
+template <typename T, int D, int GB, int TU>
+__attribute__((noinline)) void score_token_vectors(const float* q, const T* const* tv, int64_t first, int64_t BS,
+                                int64_t off, float* scores, int64_t stride) {
+  fVec acc[GB][TU];
+  for (int g = 0; g < GB; ++g)
+    for (int u = 0; u < TU; ++u) acc[g][u] = fVec(0.f);
+  const T* k[TU];
+  for (int u = 0; u < TU; ++u) k[u] = tv[first + u] + off;
+  for (int d = 0; d < D; ++d) {
+    fVec kv[TU];
+    for (int u = 0; u < TU; ++u) kv[u] = loadf(k[u] + d * BS);
+    for (int g = 0; g < GB; ++g) {
+      const fVec qd(q[g * D + d]);
+      for (int u = 0; u < TU; ++u) acc[g][u] = at::vec::fmadd(qd, kv[u], acc[g][u]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int u = 0; u < TU; ++u) acc[g][u].store(scores + g * stride + (first + u) * W);
+}
+
+// Scores of GB query heads (q: [GB][D] floats, already scaled) against the nv token vectors of
+// one KV head (at `off` elements past each pointer). Each block's run of keys is asked for two
+// blocks ahead: blocks are scattered, so the hardware prefetcher cannot see them coming.
+template <typename T, int D, int GB>
+inline void score_heads_tokens(const float* q, const T* const* tv, int64_t nv, int64_t BS,
+                               int64_t off, float* scores, int64_t stride) {
+  constexpr int TU = token_unroll<GB>();
+  const int64_t per_block = BS / W, ahead = 2 * per_block;
+  int64_t v = 0;
+  for (; v + TU <= nv; v += TU) {
+    for (int u = 0; u < TU; ++u)
+      if ((v + u) % per_block == 0 && v + u + ahead < nv)
+        prefetch_span(tv[v + u + ahead] + off, D * BS * sizeof(T));
+    score_token_vectors<T, D, GB, TU>(q, tv, v, BS, off, scores, stride);
+  }
+  // The last nv % TU vectors, in one call (TU is at most 4).
+  switch (nv - v) {
+    case 3: if constexpr (TU > 3) score_token_vectors<T, D, GB, 3>(q, tv, v, BS, off, scores, stride); break;
+    case 2: if constexpr (TU > 2) score_token_vectors<T, D, GB, 2>(q, tv, v, BS, off, scores, stride); break;
+    case 1: score_token_vectors<T, D, GB, 1>(q, tv, v, BS, off, scores, stride); break;
+    default: break;
+  }
+}
+
+// attend_heads for token-minor keys (values in rows, as always).
+template <typename T, int D, int GB>
+void attend_heads_tokens(const float* q, const T* const* tv, int64_t nv, int64_t BS,
+                         int64_t k_off, const T* vc, const int64_t* rows, int64_t len,
+                         int64_t v_off, float* scores, T* out) {
+  const int64_t stride = nv * W;  // = len rounded up to whole vectors
+  score_heads_tokens<T, D, GB>(q, tv, nv, BS, k_off, scores, stride);
+  float inv_sum[GB];
+  for (int g = 0; g < GB; ++g) inv_sum[g] = softmax_padded<T>(scores + g * stride, len, stride);
+  weigh_values<T, D, GB>(scores, inv_sum, vc, rows, len, v_off, out, stride);
+}
+
+// Pointers to dimension 0 of KV head 0 for each W tokens of a sequence's first `len` tokens in a
+// token-minor key cache whose blocks hold `kblock` elements.
+template <typename T>
+inline void token_vectors(const T* kc, const int32_t* table, int64_t len, int64_t BS,
+                          int64_t kblock, std::vector<const T*>& out) {
+  const int64_t nv = (len + W - 1) / W, per_block = BS / W;
+  out.resize(nv);
+  for (int64_t v = 0; v < nv; ++v)
+    out[v] = kc + int64_t(table[v / per_block]) * kblock + (v % per_block) * W;
 }
 
 // ---------------------------------------------------------------- decode scores as tile products
@@ -449,15 +555,50 @@ Scores scores_for(int64_t BS) {
   return Scores::fma;
 }
 
+// The KV heads [kvh_begin, kvh_end) of one sequence with token-minor keys.
+template <typename T, int D>
+void attend_item_tokens(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
+                        const int32_t* table, const int64_t* rows, int64_t len,
+                        int64_t kvh_begin, int64_t kvh_end, int64_t G, int64_t BS,
+                        int64_t kblock, float scale, float* scores, T* out) {
+  constexpr int V = D / W;
+  std::vector<const T*> tv;
+  token_vectors(kc, table, len, BS, kblock, tv);
+  const int64_t nv = int64_t(tv.size());
+  std::vector<float> qf(G * D);
+  const fVec sv(scale);
+  for (int64_t kvh = kvh_begin; kvh < kvh_end; ++kvh) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i)
+        (loadf(q + (kvh * G + g) * q_head_stride + i * W) * sv).store(&qf[g * D + i * W]);
+    const int64_t k_off = kvh * D * BS, v_off = kvh * D;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* qg = qf.data() + g0 * D;
+      T* og = out + (kvh * G + g0) * D;
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: attend_heads_tokens<T, D, 1>(qg, tv.data(), nv, BS, k_off, vc, rows, len, v_off, scores, og); break;
+        case 2: attend_heads_tokens<T, D, 2>(qg, tv.data(), nv, BS, k_off, vc, rows, len, v_off, scores, og); break;
+        case 3: attend_heads_tokens<T, D, 3>(qg, tv.data(), nv, BS, k_off, vc, rows, len, v_off, scores, og); break;
+        default: attend_heads_tokens<T, D, 4>(qg, tv.data(), nv, BS, k_off, vc, rows, len, v_off, scores, og); break;
+      }
+    }
+  }
+}
+
+// kblock > 0: the keys are token-minor with kblock elements a block; 0: rows, as the values.
 template <typename T, int D>
 void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
                  const int32_t* table, int64_t len, int64_t kvh_begin, int64_t kvh_end,
-                 int64_t G, int64_t BS, int64_t row, float scale, float* scores, T* out) {
+                 int64_t G, int64_t BS, int64_t row, int64_t kblock, float scale,
+                 float* scores, T* out) {
   constexpr int V = D / W;
   static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
   // Each token's row offset in the caches, worked out once (block by block, no divisions).
   std::vector<int64_t> rows(len);
   token_rows(table, len, BS, row, rows.data());
+  if (kblock > 0)
+    return attend_item_tokens<T, D>(q, q_head_stride, kc, vc, table, rows.data(), len,
+                                    kvh_begin, kvh_end, G, BS, kblock, scale, scores, out);
   if constexpr (std::is_same_v<T, bf16> && D % TILE_K == 0) {
     switch (scores_for<T, D>(BS)) {
 #if defined(PM_AMX)
@@ -508,6 +649,7 @@ struct Paged {
   int64_t MB;
   const int32_t* lens;
   T* out;
+  int64_t kblock;  // > 0: token-minor keys, elements a block (key_block_elements)
 
   Paged(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
         const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& output)
@@ -524,7 +666,8 @@ struct Paged {
         tables(block_tables.data_ptr<int32_t>()),
         MB(block_tables.size(1)),
         lens(seq_lens.data_ptr<int32_t>()),
-        out(output.data_ptr<T>()) {}
+        out(output.data_ptr<T>()),
+        kblock(key_block_elements(k_cache)) {}
 
   // Sequence s's one query (packed row r) against its whole context, KV heads [h0, h1).
   template <int D>
@@ -533,7 +676,7 @@ struct Paged {
     // Rows rounded up to whole tiles (the tile path pads its scores with -inf).
     scores.resize(G * ((std::max<int64_t>(lens[s], 1) + TILE - 1) / TILE * TILE));
     attend_item<T, D>(q + r * q_stride, q_head_stride, kc, vc, tables + s * MB, lens[s], h0, h1,
-                      G, BS, row, scale, scores.data(), out + r * H * D);
+                      G, BS, row, kblock, scale, scores.data(), out + r * H * D);
   }
 };
 
@@ -609,6 +752,25 @@ void stage_kv(const T* kc, const T* vc, const int64_t* rows, int64_t len, int64_
       for (int d = 0; d < D; ++d) out[d * W + j] = buf[d];
       for (int i = 0; i < V; ++i) loadf(vc + rows[t] + off + i * W).store(vf + t * D + i * W);
     }
+  }
+}
+
+// stage_kv from token-minor keys (kblock elements a block, KV head h): each tile of W tokens
+// lies inside one block (BS is a multiple of W), so its transposed keys are D vector copies.
+template <typename T, int D>
+void stage_kv_tokens(const T* kc, const T* vc, const int32_t* table, int64_t BS, int64_t kblock,
+                     const int64_t* rows, int64_t len, int64_t h, float* kt, float* vf) {
+  constexpr int V = D / W;
+  for (int64_t tile = 0; tile * W < len; ++tile) {
+    const int64_t t0 = tile * W, n = std::min<int64_t>(W, len - t0);
+    const T* k = kc + int64_t(table[t0 / BS]) * kblock + h * D * BS + t0 % BS;
+    float* out = kt + tile * D * W;
+    for (int d = 0; d < D; ++d) {
+      loadf(k + d * BS).store(out + d * W);
+      std::fill(out + d * W + n, out + d * W + W, 0.f);  // past the end: zero, as stage_kv
+    }
+    for (int64_t t = t0; t < t0 + n; ++t)
+      for (int i = 0; i < V; ++i) loadf(vc + rows[t] + h * D + i * W).store(vf + t * D + i * W);
   }
 }
 
@@ -737,8 +899,13 @@ void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float sc
       const int64_t s = staged[item / KVH], h = item % KVH;
       rows.resize(lp[s]);
       token_rows(p.tables + s * p.MB, lp[s], p.BS, p.row, rows.data());
-      stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * D, kt.get() + kt_at[s * KVH + h],
-                     vf.get() + vf_at[s * KVH + h]);
+      float* kts = kt.get() + kt_at[s * KVH + h];
+      float* vfs = vf.get() + vf_at[s * KVH + h];
+      if (p.kblock > 0)
+        stage_kv_tokens<T, D>(p.kc, p.vc, p.tables + s * p.MB, p.BS, p.kblock, rows.data(),
+                              lp[s], h, kts, vfs);
+      else
+        stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * D, kts, vfs);
     }
   });
 
@@ -796,7 +963,7 @@ template <typename T>
 double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                const at::Tensor& lens) {
   const int64_t B = tables.size(0), MB = tables.size(1), BS = k_cache.size(1);
-  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  const int64_t row = k_cache.size(2) * k_cache.size(3), kblock = key_block_elements(k_cache);
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   const int32_t* tp = tables.data_ptr<int32_t>();
@@ -808,7 +975,16 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
       fVec acc(0.f);
       rows.resize(lp[b]);
       token_rows(tp + b * MB, lp[b], BS, row, rows.data());
+      if (kblock > 0) {  // token-minor keys: each block's run, whole (the same cache lines)
+        const int64_t blocks = (lp[b] + BS - 1) / BS;
+        for (int64_t j = 0; j < blocks; ++j) {
+          if (j + 2 < blocks) prefetch_span(kc + tp[b * MB + j + 2] * kblock, kblock * sizeof(T));
+          const T* r = kc + tp[b * MB + j] * kblock;
+          for (int64_t i = 0; i + W <= kblock; i += W) acc = acc + loadf(r + i);
+        }
+      }
       for (const T* cache : {kc, vc}) {
+        if (cache == kc && kblock > 0) continue;
         for (int64_t t = 0; t < lp[b]; ++t) {
           if (t + PREFETCH_TOKENS < lp[b])
             prefetch_span(cache + rows[t + PREFETCH_TOKENS], row * sizeof(T));
@@ -899,7 +1075,7 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
 template <typename T>
 void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, const float* cos,
                 const float* sin, int64_t H, int64_t KVH, int64_t D, T* kc, T* vc,
-                const int64_t* slots) {
+                const int64_t* slots, int64_t BS, int64_t kblock) {
   const int64_t half = D / 2;
   at::parallel_for(0, tokens, grain_rows(stride), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -934,7 +1110,13 @@ void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, cons
       }
       if (slots[t] < 0) continue;  // padding
       const int64_t kv = KVH * D;
-      std::copy(row + H * D, row + H * D + kv, kc + slots[t] * kv);
+      if (kblock > 0) {  // token-minor keys: element d of head h at h * D * BS + d * BS
+        T* k = kc + slots[t] / BS * kblock + slots[t] % BS;
+        const T* src = row + H * D;
+        for (int64_t e = 0; e < kv; ++e) k[e * BS] = src[e];
+      } else {
+        std::copy(row + H * D, row + H * D + kv, kc + slots[t] * kv);
+      }
       std::copy(row + H * D + kv, row + H * D + 2 * kv, vc + slots[t] * kv);
     }
   });
@@ -1021,7 +1203,8 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache
                         at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [B, H, D] with contiguous heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  key_block_elements(k_cache);  // refuses a layout the kernels cannot read
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 16,
               "query heads must be a multiple (<= 16) of the KV heads");
@@ -1037,7 +1220,8 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cach
                          at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [N, H, D] with contiguous heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  key_block_elements(k_cache);  // refuses a layout the kernels cannot read
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
                   query_start_loc.is_contiguous(),
               "block tables, query starts and lengths must be contiguous");
@@ -1095,13 +1279,15 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
   TORCH_CHECK(qkv.size(1) >= (num_heads + 2 * num_kv_heads) * D, "qkv too narrow");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  const int64_t kblock = key_block_elements(k_cache);
   PM_DISPATCH(qkv.scalar_type(), "rope_write_kv",
               rope_write<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.size(0), qkv.stride(0),
                                    positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
                                    sin.data_ptr<float>(), num_heads, num_kv_heads, D,
                                    k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                   slot_mapping.data_ptr<int64_t>()));
+                                   slot_mapping.data_ptr<int64_t>(), k_cache.size(1),
+                                   kblock));
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {
@@ -1147,6 +1333,9 @@ std::string set_decode_scores(const std::string& mode) {
   return tiles ? "amx" : "fma";
 }
 
+// Floats in this build's vectors (8 under AVX2, 16 under AVX-512).
+int64_t vector_width() { return W; }
+
 // Which vector width this build uses, e.g. "avx2 (8 floats)".
 std::string isa() {
 #if defined(PM_AMX)
@@ -1183,6 +1372,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
   m.def("isa", &isa, "the ISA this build targets");
+  m.def("vector_width", &vector_width, "floats in this build's vectors");
   m.def("set_decode_scores", &set_decode_scores,
         "how decode attention scores keys: auto, fma, amx or emulated");
   m.def("pairs_hardware", &pm::pairs_hardware,

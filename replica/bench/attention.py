@@ -80,15 +80,17 @@ def run(args) -> dict:
     lens, tables, meta = d["lens"], d["tables"], d["meta"]
     k_cache, v_cache = d["k_cache"], d["v_cache"]
     # One (keys, values) pair per layer; the first layer's output is the one compared.
-    caches = [(k_cache, v_cache)] + [
+    rows = [(k_cache, v_cache)] + [
         (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(args.layers - 1)
     ]
+    # The same keys in each layout the kernel reads (kernels.interface.new_kv_cache).
+    caches = {"rows": rows, "tokens": [(_token_minor(k), v) for k, v in rows]}
 
     def per_layer_ms(fn) -> float:
         return seconds_per_call(fn, args.iters, warmup=3) * 1000 / args.layers
 
-    def every_layer(fn):
-        return lambda: [fn(k, v) for k, v in caches][0]
+    def every_layer(fn, layout: str):
+        return lambda: [fn(k, v) for k, v in caches[layout]][0]
 
     dtype_name = str(dtype).removeprefix("torch.")
     outputs = {}
@@ -101,13 +103,21 @@ def run(args) -> dict:
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
     scale = d["head_dim"] ** -0.5
-    for name, use_kernel in (("cpu_kernel", None), ("torch_sdpa", False)):
+    # The kernel on the key layout the engine would choose here, then on the other one.
+    layout = TorchAttentionBackend(isa=args.isa).key_layout(dtype, d["block"], d["head_dim"])
+    other = "rows" if layout == "tokens" else "tokens"
+    result["key_layout"] = layout
+    runs = [("cpu_kernel", None, layout), ("torch_sdpa", False, "rows")]
+    if kernels is not None and d["block"] % kernels.vector_width() == 0:
+        runs.append((f"cpu_kernel_{other}_keys", None, other))
+    for name, use_kernel, keys in runs:
         backend = TorchAttentionBackend(use_cpu_kernel=use_kernel, isa=args.isa)
         if use_kernel is None and not backend._use_cpu_kernel:
             print("the C++ kernel is not available here (no compiler?)")
-            continue
+            break
         backend.prepare(meta, d["block"])
-        attend = every_layer(functools.partial(backend.attend, d["query"], meta=meta, scale=scale))
+        attend = functools.partial(backend.attend, d["query"], meta=meta, scale=scale)
+        attend = every_layer(attend, keys)
         outputs[name] = attend()
         result[f"{name}_ms"] = per_layer_ms(attend)
     if (
@@ -118,26 +128,40 @@ def run(args) -> dict:
         # The AMX build scores bfloat16 keys on the tile unit: the same call with FMA scores.
         backend = TorchAttentionBackend(isa=args.isa)
         backend.prepare(meta, d["block"])
-        attend = every_layer(functools.partial(backend.attend, d["query"], meta=meta, scale=scale))
+        attend = functools.partial(backend.attend, d["query"], meta=meta, scale=scale)
+        attend = every_layer(attend, "rows")  # tiles read keys in rows
         try:
             kernels.set_decode_scores("fma")
             result["cpu_kernel_fma_scores_ms"] = per_layer_ms(attend)
         finally:
             kernels.set_decode_scores("auto")
-    if len(outputs) == 2:
-        diff = (outputs["cpu_kernel"].float() - outputs["torch_sdpa"].float()).abs().max()
-        result["max_abs_diff"] = float(diff)
+    if "cpu_kernel" in outputs and "torch_sdpa" in outputs:
+        diffs = [
+            float((out.float() - outputs["torch_sdpa"].float()).abs().max())
+            for name, out in outputs.items()
+            if name != "torch_sdpa"
+        ]
+        result["max_abs_diff"] = max(diffs)
         result["speedup"] = result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
     row_bytes = 2 * d["kv_heads"] * d["head_dim"] * k_cache.element_size()
     result["kv_mb"] = sum(int(n) for n in lens) * row_bytes / 1e6
     if kernels is not None:
         # The floor: every key and value the step attends to, read once, the kernel's way.
+        # The floor reads the caches in the layout the kernel just read.
         int_lens = lens.int()
-        read = every_layer(lambda k, v: kernels.read_kv_once(k, v, tables, int_lens))
+        read = every_layer(lambda k, v: kernels.read_kv_once(k, v, tables, int_lens), layout)
         result["read_kv_ms"] = per_layer_ms(read)
         result["kernel_vs_floor"] = result["cpu_kernel_ms"] / result["read_kv_ms"]
     _print(args, d, dtype_name, threads, result)
     return result
+
+
+def _token_minor(keys):
+    """``keys`` (a contiguous cache) copied into the token-minor layout."""
+    from kernels.interface import new_kv_cache
+
+    out, _ = new_kv_cache(*keys.shape, dtype=keys.dtype, key_layout="tokens")
+    return out.copy_(keys)
 
 
 def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
@@ -148,11 +172,17 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
         + (f" over {args.layers} layers' caches in turn, per layer" if args.layers > 1 else "")
         + ":"
     )
-    labels = {"cpu_kernel": "cpu_kernel", "cpu_kernel_fma_scores": "cpu_kernel, scores by FMAs "
-              "instead of AMX tiles", "torch_sdpa": "torch_sdpa"}  # fmt: skip
+    layout = result.get("key_layout")
+    labels = {
+        "cpu_kernel": f"cpu_kernel ({layout} keys, the engine's choice here)",
+        "cpu_kernel_rows_keys": "cpu_kernel (rows keys)",
+        "cpu_kernel_tokens_keys": "cpu_kernel (tokens keys)",
+        "cpu_kernel_fma_scores": "cpu_kernel, rows keys scored by FMAs instead of AMX tiles",
+        "torch_sdpa": "torch_sdpa",
+    }
     for name, label in labels.items():
         if f"{name}_ms" in result:
-            print(f"  {label:10s} {result[f'{name}_ms']:7.2f} ms")
+            print(f"  {label:48s} {result[f'{name}_ms']:7.2f} ms")
     if "read_kv_ms" in result:
         print(
             f"  floor: one read of the {result['kv_mb']:.1f} MB of keys and values (a layer's) "
