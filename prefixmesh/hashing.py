@@ -62,14 +62,20 @@ def block_hashes(
 
 
 def packed_block_hashes(
-    data: bytes, block_size: int, model_id: str, cache_salt: str | None = None
+    data: bytes,
+    block_size: int,
+    model_id: str,
+    cache_salt: str | None = None,
+    parent: BlockHash | None = None,
 ) -> list[BlockHash]:
     """``block_hashes`` of tokens already packed by ``token_bytes`` (full blocks only: a
-    partial block at the end is ignored)."""
+    partial block at the end is ignored). ``parent``: the hash of the block before ``data``'s
+    first, when ``data`` continues a prefix already hashed (None: ``data`` starts the prompt)."""
     step = 4 * block_size
     digest = xxhash.xxh3_128_digest
     hashes: list[BlockHash] = []
-    parent = root_hash(model_id, cache_salt)
+    if parent is None:
+        parent = root_hash(model_id, cache_salt)
     for start in range(0, len(data) // step * step, step):
         parent = digest(parent + data[start : start + step])
         hashes.append(parent)

@@ -5,9 +5,9 @@ and one router process, then measures from this (client) process:
 
 1. Time to first token through the router minus direct to a replica, p50 and p99, over
    alternating sequential requests (one in flight at a time, so queueing does not count). A
-   request is a ``--prompt-tokens`` token-id prompt from one of ``--groups`` shared prefixes,
-   so every routed request does the full work: hash all blocks, look up every replica's block
-   set, policy, predicted-entry write.
+   request is a ``--prompt-tokens`` token-id prompt from one of ``--groups`` shared prefixes
+   with ``--suffix-tokens`` random ones after it, so every routed request does the full work:
+   hash its blocks, look up every replica's block set, policy, predicted-entry write.
 2. Routed requests per second one router process sustains with ``--concurrency`` requests in
    flight for ``--seconds`` (``max_tokens = 1``). The client, the echo replicas and the router
    share the machine's cores, so this is a lower bound of what the router alone can do.
@@ -83,8 +83,8 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _request(prefixes: list[list[int]], rng: random.Random) -> pb.GenerateRequest:
-    prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(8)]
+def _request(prefixes: list[list[int]], rng: random.Random, suffix: int = 8) -> pb.GenerateRequest:
+    prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(suffix)]
     return pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=1)
     )
@@ -139,16 +139,17 @@ async def _sequential(
     prefixes: list[list[int]],
     rng: random.Random,
     pids: dict[str, int],
+    suffix: int = 8,
 ) -> tuple[list[list[float]], dict[str, float]]:
     """Phase 1 and 3: TTFT samples per stub, alternating, one in flight; CPU ms per request."""
     for _ in range(50):  # warm up channels, caches, the script cache
         for stub in stubs:
-            await _ttft(stub, _request(prefixes, rng))
+            await _ttft(stub, _request(prefixes, rng, suffix))
     samples: list[list[float]] = [[] for _ in stubs]
     cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
     for _ in range(requests):
         for stub, times in zip(stubs, samples):
-            times.append(await _ttft(stub, _request(prefixes, rng)))
+            times.append(await _ttft(stub, _request(prefixes, rng, suffix)))
     served = {"echo": len(stubs) * requests}  # every path ends at an echo replica
     cpu_ms = {
         f"cpu_ms_per_request_{name}": (_cpu_seconds(pid) - cpu_before[name])
@@ -173,7 +174,11 @@ async def _router_histograms(metrics_port: int) -> dict[str, float]:
 
 
 async def _throughput(
-    via_router: pb_grpc.GeneratorStub, prefixes: list[list[int]], concurrency: int, seconds: float
+    via_router: pb_grpc.GeneratorStub,
+    prefixes: list[list[int]],
+    concurrency: int,
+    seconds: float,
+    suffix: int = 8,
 ) -> float:
     """Phase 2: routed requests per second with ``concurrency`` in flight for ``seconds``."""
     done = 0
@@ -183,7 +188,7 @@ async def _throughput(
         nonlocal done
         wrng = random.Random(seed)
         while time.perf_counter() < stop_at:
-            async for _ in via_router.Generate(_request(prefixes, wrng), timeout=10):
+            async for _ in via_router.Generate(_request(prefixes, wrng, suffix), timeout=10):
                 pass
             done += 1
 
@@ -241,7 +246,9 @@ async def _measure(
     if base_ch is not None:
         await _wait_for_replicas(pb_grpc.ClusterStub(base_ch), args.replicas)
         stubs += (pb_grpc.GeneratorStub(base_ch),)
-    samples, cpu_ms = await _sequential(stubs, args.requests, prefixes, rng, pids or {})
+    samples, cpu_ms = await _sequential(
+        stubs, args.requests, prefixes, rng, pids or {}, args.suffix_tokens
+    )
     routed, straight, proxied = samples[:3]
     await proxy_ch.close()
 
@@ -255,7 +262,9 @@ async def _measure(
         for key, value in (await _router_histograms(baseline[1])).items():
             internal[f"baseline_{key}"] = value
     await cluster.ResetStats(pb.Empty())
-    per_s = await _throughput(via_router, prefixes, args.concurrency, args.seconds)
+    per_s = await _throughput(
+        via_router, prefixes, args.concurrency, args.seconds, args.suffix_tokens
+    )
     state = await cluster.ListReplicas(pb.Empty())
     await router_ch.close()
     await direct_ch.close()
@@ -296,6 +305,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int, default=3, help="echo replicas")
     parser.add_argument("--requests", type=int, default=500, help="sequential TTFT samples")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="shared prefix length")
+    parser.add_argument(
+        "--suffix-tokens",
+        type=int,
+        default=8,
+        help="random tokens after the shared prefix (8: a partial block at the default "
+        "--prompt-tokens; a block or more adds full blocks no earlier prompt had)",
+    )
     parser.add_argument("--groups", type=int, default=8, help="distinct shared prefixes")
     parser.add_argument("--concurrency", type=int, default=32, help="throughput phase")
     parser.add_argument("--seconds", type=float, default=5.0, help="throughput phase length")
@@ -395,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "map_sources": results,
         "replicas": args.replicas, "prompt_tokens": args.prompt_tokens,
+        "suffix_tokens": args.suffix_tokens,
         "requests": args.requests, "concurrency": args.concurrency, "cpus": os.cpu_count() or 0,
     }  # fmt: skip
     print(json.dumps(summary, indent=2))

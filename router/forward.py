@@ -35,7 +35,6 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +43,7 @@ from prefixmesh.hashing import token_bytes
 from prefixmesh.limits import RequestLimits, abort_busy, check_request, retry_metadata
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from prefixmesh.tenants import (
+    DEFAULT_TENANT,
     TENANT_METADATA,
     TenantBusy,
     TenantLimiter,
@@ -104,9 +104,9 @@ class Forwarder:
         """Bounds first (the replicas check them too, but the router need not route a request
         they will refuse), then the tenant's share, then the stream.
 
-        A coroutine that writes each message (gRPC's reader/writer style) rather than an async
-        generator gRPC iterates: one generator fewer between the replica's stream and the
-        client's, on every message."""
+        A coroutine that writes each message (gRPC's reader/writer style), down to the loop
+        over the replica's stream: no async generator between the replica's stream and the
+        client's."""
         # Read once: each read of a repeated field builds every element again (~20 us per 500
         # token ids); the bounds check and the routing share this list. Packed once too, as
         # the block hashes read them: unsigned, so a negative id fails here, and the bounds
@@ -124,22 +124,19 @@ class Forwarder:
             self.metrics.error("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         ticket: Ticket | None = None
-        # Counted here, and named to the replica: behind the router every call carries the
-        # router's key, so the replica's caps and fair shares would see one tenant otherwise.
-        tenant = tenant_of_call(request.cache_salt, context)
-        metadata = (*(self.router.view.metadata or ()), (TENANT_METADATA, tenant))
-        if self.tenants is not None:
-            try:
-                ticket = self.tenants.admit(tenant)
-            except TenantBusy as exc:
-                self.metrics.error("RESOURCE_EXHAUSTED")
-                await abort_busy(context, str(exc), self.limits.retry_after_s)
-        stream = self._generate(request, context, ticket, ids, metadata, packed)
+        metadata = self.router.view.metadata
+        if self.tenants is not None or not request.cache_salt:  # else the salt is the tenant
+            tenant = tenant_of_call(request.cache_salt, context)
+            metadata = upstream_metadata(metadata, tenant, request.cache_salt)
+            if self.tenants is not None:
+                try:
+                    ticket = self.tenants.admit(tenant)
+                except TenantBusy as exc:
+                    self.metrics.error("RESOURCE_EXHAUSTED")
+                    await abort_busy(context, str(exc), self.limits.retry_after_s)
         try:
-            async for msg in stream:
-                await context.write(msg)
+            await self._generate(request, context, ticket, ids, metadata, packed)
         finally:
-            await stream.aclose()  # its own finally releases the plan and cancels the call now
             if ticket is not None:
                 ticket.close()
 
@@ -151,7 +148,7 @@ class Forwarder:
         token_ids: list[int] | None = None,
         metadata: tuple[tuple[str, str], ...] | None = None,
         packed_ids: bytes | None = None,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
         arrival = time.perf_counter()
         if not request.request_id:
             request.request_id = os.urandom(16).hex()
@@ -163,6 +160,7 @@ class Forwarder:
         busy = ""  # the last RESOURCE_EXHAUSTED a replica answered
         prompt_ids: list[int] | None = None
         group = None
+        write = context.write
         while queue:
             attempt = queue[0]
             tries += 1
@@ -182,7 +180,7 @@ class Forwarder:
                     plan.settle_prefill()
                     msg = self._observe(resp, attempt, progress, prompt_ids)
                     try:
-                        yield msg
+                        await write(msg)
                     finally:  # counted once the client has it (or has gone): off its latency
                         if ttft is not None:
                             self.metrics.ttft.observe(ttft)
@@ -216,7 +214,7 @@ class Forwarder:
                     request, attempt, progress, prompt_ids, handle.replica_id
                 )
                 for msg in finals:
-                    yield msg
+                    await write(msg)
                 queue[:0] = resumes
             finally:
                 plan.release()
@@ -379,6 +377,19 @@ class Forwarder:
             for kind, n in self.router.attribution.settle(plan.misses, cached_tokens).items():
                 self.metrics.blocks_by_kind[kind].inc(n)
             plan.misses = None
+
+
+def upstream_metadata(
+    own: tuple[tuple[str, str], ...] | None, tenant: str, cache_salt: str
+) -> tuple[tuple[str, str], ...] | None:
+    """An upstream call's metadata: the router's ``own`` (its replica API key), and the tenant
+    it counted the request against (``TENANT_METADATA``) where the replica would not find the
+    same one itself: behind the router every call carries the router's key, so the replica's
+    caps and fair shares would see one tenant. A salt the replica sees, and a call with no key
+    at all is the default tenant there too: those go without (prefixmesh/tenants.py)."""
+    if cache_salt or (not own and tenant == DEFAULT_TENANT):
+        return own
+    return (*(own or ()), (TENANT_METADATA, tenant))
 
 
 def _with_hint(request: pb.GenerateRequest, plan: RoutePlan) -> pb.GenerateRequest:

@@ -25,6 +25,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -266,12 +267,9 @@ class BlockMirror:
         mirrored = self.sets.get(replica_id)
         cached = 0
         if mirrored is not None:
-            blocks = mirrored.blocks
-            if all(map(blocks.__contains__, hashes)):  # a full hit, tested at C speed
-                cached = len(hashes)
-            else:
-                while hashes[cached] in blocks:  # stops within hashes: one is missing
-                    cached += 1
+            # Up to the first hash not in the set, in one C-level scan that stops there (a
+            # Python loop took twice as long on a partial hit of a long prompt).
+            cached = len(list(takewhile(mirrored.blocks.__contains__, hashes)))
         predicted = cached
         entries = self.predicted.get(replica_id)
         if entries:

@@ -20,11 +20,13 @@ from router.discovery import GROUP_KEY, ReplicaView
 
 
 class BlockHashCache:
-    """Block hashes of recent prompts, by model, block size, salt and the exact tokens of their
-    full blocks: a prompt routed again (the same request repeated, retried or resumed, a
-    benchmark's shared prefixes) is packed but not hashed again. Least recently used first out,
-    bounded by the bytes of the packed tokens it keeps (the hashes take about as much again).
-    The lists it returns are shared: never modify them."""
+    """Block hashes of recent prompts' leading 1, 2, 4, 8, ... blocks, by model, block size,
+    salt and the exact tokens of those blocks. A prompt seen again, whole or with another or
+    longer suffix (a request retried or resumed, a conversation's next turn, prompts sharing a
+    system prompt or document), takes the hashes of its longest cached power-of-two prefix
+    (more than half of what it shares with the earlier prompt) and hashes only the blocks after
+    it. Least recently used first out, bounded by the bytes of the packed tokens it keeps (the
+    hashes take about as much again). The lists it returns are shared: never modify them."""
 
     def __init__(self, max_bytes: int = 8 * 2**20) -> None:
         self.max_bytes = max_bytes
@@ -36,25 +38,43 @@ class BlockHashCache:
         token_ids: list[int],
         block_size: int,
         model_id: str,
-        cache_salt: str | None,
+        cache_salt: str | None = None,
         packed: bytes | None = None,
     ) -> list[BlockHash]:
         """``prefixmesh.hashing.block_hashes`` of the tokens, from the cache when it can.
         ``packed``: ``token_bytes(token_ids)``, if the caller has it."""
-        full = len(token_ids) // block_size * block_size
-        data = (token_bytes(token_ids) if packed is None else packed)[: 4 * full]
-        key = (model_id, cache_salt or "", block_size, data)
-        hashes = self._entries.get(key)
-        if hashes is not None:
-            self._entries.move_to_end(key)
-            return hashes
-        hashes = packed_block_hashes(data, block_size, model_id, cache_salt)
-        if len(data) <= self.max_bytes:
-            self._entries[key] = hashes
-            self.bytes += len(data)
-            while self.bytes > self.max_bytes:
-                old, _ = self._entries.popitem(last=False)
-                self.bytes -= len(old[3])
+        num = len(token_ids) // block_size
+        if num == 0:
+            return []
+        step = 4 * block_size
+        data = token_bytes(token_ids[: num * block_size]) if packed is None else packed
+        salt = cache_salt or ""
+        entries = self._entries
+        head: list[BlockHash] = []
+        known = 1 << (num.bit_length() - 1)  # the longest power-of-two prefix, then shorter
+        while known:
+            key = (model_id, salt, block_size, data[: known * step])
+            found = entries.get(key)
+            if found is not None:
+                entries.move_to_end(key)
+                head = found
+                break
+            known >>= 1
+        if known == num:
+            return head
+        rest = packed_block_hashes(
+            data[known * step : num * step], block_size, model_id, cache_salt,
+            head[-1] if head else None,
+        )  # fmt: skip
+        hashes = head + rest
+        blocks = known * 2 or 1
+        while blocks <= num and blocks * step <= self.max_bytes:
+            entries[(model_id, salt, block_size, data[: blocks * step])] = hashes[:blocks]
+            self.bytes += blocks * step
+            blocks *= 2
+        while self.bytes > self.max_bytes:
+            old, _ = entries.popitem(last=False)
+            self.bytes -= len(old[3])
         return hashes
 
 

@@ -298,10 +298,23 @@ class Router:
         # An explicit 0 (which the replica rejects) counts as the default, like an unset one.
         default = self.config.default_max_tokens
         decode = (requested_max_tokens(sampling, default) or default) * requested_n(sampling)
-        candidates = [self._candidate(h, matches, hashes, primary) for h in handles]
+        # Each candidate built once, in one pass that also keeps what the rest of the decision
+        # reads of them: the most leading blocks any matches, how many match that many, and
+        # the most below that (the miss attribution's "elsewhere" for the chosen one).
+        candidates: list[Candidate] = []
+        best = runner_up = tied = 0
+        for h in handles:
+            c = self._candidate(h, matches, hashes, primary)
+            candidates.append(c)
+            matched = max(c.cached_blocks, c.predicted_blocks)
+            if matched > best:
+                best, runner_up, tied = matched, best, 1
+            elif matched == best:
+                tied += 1
+            elif matched > runner_up:
+                runner_up = matched
         # Tie-break key: the deepest block some replica holds (the same for every request and
         # router sharing that prefix, distinct between prefixes), else the whole prompt.
-        best = max(c.matched_blocks for c in candidates)
         if hashes:
             affinity = hashes[best - 1] if best else hashes[-1]
         else:
@@ -318,7 +331,9 @@ class Router:
         if matches is None:  # no cache index: whatever the policy thought, this is a fallback
             decision = decision._replace(outcome=FALLBACK)
         handle = self.view.handles[decision.replica_id]
-        chosen = next(c for c in candidates if c.replica_id == decision.replica_id)
+        for chosen in candidates:  # the policy chose one of them: the loop breaks
+            if chosen.replica_id == decision.replica_id:
+                break
         # Blocks the replica does not report yet: it is about to compute them.
         new = self._commit(handle, decision, hashes[chosen.cached_blocks :])
         self.recent.add(handle.replica_id)
@@ -332,10 +347,12 @@ class Router:
         if new:  # renewed until the first token (renew_predicted)
             self._awaiting.append((plan, new))
         plan.fetch_hint = self._fetch_hint(candidates, chosen)
-        elsewhere = max((c.matched_blocks for c in candidates if c is not chosen), default=0)
+        # The most another replica matches: the deepest, unless only the chosen one has it.
+        promised = decision.matched_blocks  # the chosen one's (policy.decide)
+        elsewhere = best if promised < best or tied > 1 else runner_up
         plan.unaccounted = Bookkeeping(
             lookup_s, hashes, route_req.prompt_tokens, route_req.block_size,
-            chosen.matched_blocks, elsewhere, new if matches is not None else [],
+            promised, elsewhere, new if matches is not None else [],
         )  # fmt: skip
         if not defer_bookkeeping:
             self.account(plan)

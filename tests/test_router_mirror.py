@@ -22,7 +22,7 @@ from test_kv_publisher import NS, RID, Harness, h
 from prefixmesh import kv_events
 from prefixmesh import redis_layout as layout
 from router.index import HashGroup, MirrorIndex, PrefixIndex
-from router.mirror import BlockMirror
+from router.mirror import BlockMirror, MirroredSet
 
 MODEL, BS = "tiny", 16  # the Harness replica's lease
 
@@ -273,3 +273,30 @@ def test_two_routers_agree_on_the_map_and_see_each_others_predictions(redis_serv
         asyncio.run(scenario())
     finally:
         hs.close()
+
+
+def test_leading_blocks_are_the_first_missing_hash_as_a_loop_finds_it() -> None:
+    """``BlockMirror.leading`` counts the hashes before the first one its set lacks (and the
+    predicted ones after them), as the plain loop does, on sets with holes and full hits."""
+    import random
+
+    rng = random.Random(3)
+    mirror = BlockMirror("redis://127.0.0.1:1/0", NS, "router-a")
+    for _ in range(2000):
+        hashes = [rng.randbytes(16) for _ in range(rng.randrange(0, 40))]
+        held = {x for x in hashes if rng.random() < 0.9} | {rng.randbytes(16)}
+        if rng.random() < 0.3:
+            held |= set(hashes)  # a full hit
+        mirror.sets[RID] = MirroredSet(held, "e", 0, (0, 0))
+        cached = 0
+        while cached < len(hashes) and hashes[cached] in held:
+            cached += 1
+        predicted = cached
+        if rng.random() < 0.5:
+            ahead = hashes[cached : cached + rng.randrange(0, 5)]
+            mirror.predicted[RID] = dict.fromkeys(ahead, time.monotonic() + 60)
+            predicted += len(ahead)
+        else:
+            mirror.predicted.pop(RID, None)
+        assert mirror.leading(RID, hashes) == (cached, predicted)
+    assert mirror.leading("unknown", hashes) == (0, 0)

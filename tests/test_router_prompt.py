@@ -120,3 +120,43 @@ def test_block_hash_cache_returns_what_hashing_computes() -> None:
         assert cache.block_hashes(ids, block_size, model, salt) == want  # now a hit
         assert cache.bytes <= cache.max_bytes
     assert cache.bytes == sum(len(key[3]) for key in cache._entries)
+
+
+def test_block_hash_cache_reuses_power_of_two_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts sharing a prefix with an earlier one (a longer suffix, another suffix, the same
+    prompt again, another tenant's) hash only the blocks past the longest cached power-of-two
+    prefix, and every answer equals a fresh prefixmesh.hashing.block_hashes."""
+    import random
+
+    import router.prompt as prompt
+
+    hashed: list[int] = []
+
+    def counting(data: bytes, block_size: int, *args: object) -> list[bytes]:
+        hashed.append(len(data) // (4 * block_size))
+        return prompt_hashes(data, block_size, *args)  # type: ignore[arg-type]
+
+    prompt_hashes = prompt.packed_block_hashes
+    monkeypatch.setattr(prompt, "packed_block_hashes", counting)
+    rng = random.Random(1)
+    cache = prompt.BlockHashCache()
+    shared = [rng.randrange(50_000) for _ in range(512)]
+
+    def hashes(ids: list[int], salt: str | None = None) -> int:
+        hashed.clear()
+        assert cache.block_hashes(ids, 4, "m", salt) == block_hashes(ids, 4, "m", salt)
+        return sum(hashed)
+
+    assert hashes(shared + [1] * 8) == 130  # cold: every block
+    assert hashes(shared + [2] * 8) == 2  # 128 blocks cached (a power of two)
+    assert hashes(shared + [2] * 8) == 2  # the same prompt again: still past 128
+    assert hashes(shared[:300]) == 75 - 64  # a shorter prompt: its 64-block prefix
+    assert hashes(shared + [3] * 500) == 253 - 128  # a conversation's next turn
+    assert hashes(shared + [3] * 500 + [4] * 40) == 263 - 128  # and the next: still 128
+    assert hashes(shared + [2] * 8, "tenant") == 130  # another salt shares nothing
+    assert hashes(shared[:3]) == 0  # no full block
+    for _ in range(300):  # random prefixes, suffixes and edits against fresh hashes
+        ids = shared[: rng.randrange(0, 600)] + [rng.randrange(9) for _ in range(rng.randrange(9))]
+        if ids and rng.random() < 0.2:
+            ids[rng.randrange(len(ids))] += 1
+        hashes(ids, rng.choice([None, "", "t"]))

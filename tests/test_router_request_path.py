@@ -85,3 +85,93 @@ def test_packing_refuses_negative_ids_and_hashes_as_the_list() -> None:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), resume_token_ids=[1, -2])
     with pytest.raises(ValueError, match=r"resume_token_ids\[1\]"):
         check_request(request, RequestLimits(), ids, prompt_ids_checked=True)
+
+
+def test_route_in_one_pass_decides_as_separate_passes_over_the_candidates() -> None:
+    """``Router.route`` builds each candidate once and keeps the deepest match, its count and
+    the runner-up as it goes: on random clusters (cache_aware with and without the request
+    bound and fetch weights, and least_loaded) its decision, fetch hint and the miss
+    attribution's blocks are what separate passes over the same candidates give."""
+    import random
+
+    from router.config import RouterConfig
+    from router.discovery import Lease, ReplicaHandle
+    from router.index import ReplicaMatch
+    from router.policy import RouteRequest, fetch_source
+    from router.prompt import fallback_affinity
+    from router.routing import Router
+
+    group = ("m", 4)
+
+    class Index:
+        matches: list[ReplicaMatch] = []
+
+        async def lookup(self, groups: object) -> list[ReplicaMatch]:
+            return self.matches
+
+    async def scenario() -> None:
+        rng = random.Random(11)
+        configs = [
+            dict(policy="cache_aware"),
+            dict(policy="cache_aware", balance_requests_epsilon=0.2, fetch_weight="off"),
+            dict(policy="cache_aware", fetch_weight="2", tie_tokens=64),
+            dict(policy="least_loaded"),
+        ]
+        for knobs in configs:
+            router = Router(RouterConfig(redis="redis://127.0.0.1:1/0", **knobs))  # type: ignore[arg-type]
+            router.index = Index()  # type: ignore[assignment]
+            router.redis_ok = True
+            router.view.model_ids[group] = "m"
+            router.view.tokenizers[group] = None
+            for _ in range(400):
+                n = rng.randrange(1, 6)
+                ids = [rng.randrange(3) for _ in range(rng.randrange(0, 41))]
+                blocks = len(ids) // 4
+                hashes = block_hashes(ids, 4, "m")
+                handles, matches = {}, []
+                for i in range(n):
+                    rid = f"r{i}"
+                    lease = Lease(address=f"a{i}", model="m", block_size=4,
+                                  queued_tokens=rng.choice([0, 16, 64, 500]),
+                                  fetch_cost=rng.choice([-1.0, 0.1, 0.9]))  # fmt: skip
+                    handle = ReplicaHandle(rid, lease, None, None, None)  # type: ignore[arg-type]
+                    handle.inflight_tokens = rng.choice([0, 8, 40, 300])
+                    handles[rid] = handle
+                    cached = rng.randrange(blocks + 1)
+                    predicted = rng.randrange(cached, blocks + 1)
+                    matches.append(ReplicaMatch(rid, cached, predicted, rng.choice([0, 50]), lease))
+                    router._predicted.pop(rid, None)
+                    if hashes and rng.random() < 0.3:  # this router's own predictions
+                        ahead = hashes[: rng.randrange(len(hashes) + 1)]
+                        router._predicted[rid] = dict.fromkeys(ahead, 1e18)
+                router.view.handles, router.view.listed = handles, list(handles)
+                Index.matches = matches
+                # The separate passes, on the state route will see.
+                by_id = {m.replica_id: m for m in matches}
+                cands = [router._candidate(h, by_id, hashes, group) for h in handles.values()]
+                best = max(c.matched_blocks for c in cands)
+                request = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=ids), request_id="q",
+                    sampling=pb.SamplingParams(max_tokens=rng.choice([1, 16])),
+                )  # fmt: skip
+                if hashes:
+                    affinity = hashes[best - 1] if best else hashes[-1]
+                else:
+                    affinity = fallback_affinity(ids, "q")
+                plan = await router.route(request, defer_bookkeeping=True)
+                route_req = RouteRequest(len(ids), blocks, 4, plan.decode_tokens, affinity)
+                want = router.policy.choose(route_req, cands)
+                chosen = next(c for c in cands if c.replica_id == want.replica_id)
+                source = fetch_source(cands, chosen)
+                work = plan.unaccounted
+                assert work is not None and plan.decision == want
+                assert work.promised_blocks == chosen.matched_blocks
+                assert work.elsewhere_blocks == max(
+                    (c.matched_blocks for c in cands if c is not chosen), default=0
+                )
+                assert (plan.fetch_hint is None) == (source is None)
+                if source is not None and plan.fetch_hint is not None:
+                    assert plan.fetch_hint.replica_id == source.replica_id
+                    assert plan.fetch_hint.num_blocks == source.cached_blocks
+
+    asyncio.run(scenario())

@@ -156,3 +156,21 @@ def test_api_key_tenants_behind_the_router_are_told_apart_by_the_replica(cluster
     )
     state = cluster.wait_idle()
     assert state.integrity_ok, state.integrity_error
+
+
+def test_the_router_names_a_tenant_only_where_the_replica_would_find_another():
+    # router/forward.py's upstream metadata: with or without the tenant's name, the replica
+    # charges the tenant the router counted, for every salt, client key and router key.
+    from prefixmesh.auth import bearer_metadata
+    from router.forward import upstream_metadata
+
+    for salt in ("", "s"):
+        for client in (None, "client-key"):
+            for router_key in ("", "router-key"):
+                own = bearer_metadata(router_key) or None
+                client_md = (("authorization", f"Bearer {client}"),) if client else ()
+                tenant = tenant_of_call(salt, _Call(*client_md))
+                sent = upstream_metadata(own, tenant, salt)
+                assert tenant_of_call(salt, _Call(*(sent or ())), forwarded=True) == tenant
+                named = any(key == "x-prefixmesh-tenant" for key, _ in sent or ())
+                assert named == (not salt and bool(client or router_key))
