@@ -114,17 +114,22 @@ inline float hsum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
 }
 
+// Into the L2, not the L1 (locality 2: prefetcht1). A decode step's KV comes from memory, and
+// the L1's few outstanding misses fill up with a burst of a block's lines: demand loads then
+// wait behind them, and the kernel's arithmetic and its reads stop overlapping. Into the L2,
+// the same kernel ran 1.25-1.4x faster from memory (docs/benchmarks.md), and no slower hot.
 inline void prefetch(const void* p) {
 #if defined(__GNUC__)
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, 2);
 #endif
 }
 
 // Cache lines of `bytes` from p, asked for ahead of use. Rows of the paged cache come from
-// scattered blocks, so the hardware prefetcher cannot see them coming; asking for every line
-// of a head's row 16 tokens ahead keeps the decode kernel at its read floor (1.6-1.7x above it
-// with one line 4 tokens ahead: docs/benchmarks.md).
-constexpr int64_t PREFETCH_TOKENS = 16;
+// scattered blocks, so the hardware prefetcher cannot see them coming; every line of a head's
+// row is asked for 32 tokens ahead (about a memory latency of the kernel's work), and
+// token-minor keys (see below) a whole block's run 4 blocks ahead.
+constexpr int64_t PREFETCH_TOKENS = 32;
+constexpr int64_t PREFETCH_BLOCKS = 4;
 inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) prefetch(c + b);
@@ -315,13 +320,14 @@ __attribute__((noinline)) void score_token_vectors(const float* q, const T* cons
 }
 
 // Scores of GB query heads (q: [GB][D] floats, already scaled) against the nv token vectors of
-// one KV head (at `off` elements past each pointer). Each block's run of keys is asked for two
-// blocks ahead: blocks are scattered, so the hardware prefetcher cannot see them coming.
+// one KV head (at `off` elements past each pointer). Each block's run of keys is asked for
+// PREFETCH_BLOCKS blocks ahead: blocks are scattered, so the hardware prefetcher cannot see
+// them coming.
 template <typename T, int D, int GB>
 inline void score_heads_tokens(const float* q, const T* const* tv, int64_t nv, int64_t BS,
                                int64_t off, float* scores, int64_t stride) {
   constexpr int TU = token_unroll<GB>();
-  const int64_t per_block = BS / W, ahead = 2 * per_block;
+  const int64_t per_block = BS / W, ahead = PREFETCH_BLOCKS * per_block;
   int64_t v = 0;
   for (; v + TU <= nv; v += TU) {
     for (int u = 0; u < TU; ++u)
@@ -978,7 +984,8 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
       if (kblock > 0) {  // token-minor keys: each block's run, whole (the same cache lines)
         const int64_t blocks = (lp[b] + BS - 1) / BS;
         for (int64_t j = 0; j < blocks; ++j) {
-          if (j + 2 < blocks) prefetch_span(kc + tp[b * MB + j + 2] * kblock, kblock * sizeof(T));
+          if (j + PREFETCH_BLOCKS < blocks)
+            prefetch_span(kc + tp[b * MB + j + PREFETCH_BLOCKS] * kblock, kblock * sizeof(T));
           const T* r = kc + tp[b * MB + j] * kblock;
           for (int64_t i = 0; i + W <= kblock; i += W) acc = acc + loadf(r + i);
         }

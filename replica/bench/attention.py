@@ -24,15 +24,23 @@ def add_arguments(parser) -> None:
         "the L3 (a hot read); 30 reads it from memory as the engine's step does",
     )
     parser.add_argument(
+        "--blocks",
+        choices=("scattered", "contiguous"),
+        default="scattered",
+        help="where each sequence's blocks lie in the pool: scattered at random (a busy "
+        "engine) or one after another (a fresh one, where the hardware prefetcher follows)",
+    )
+    parser.add_argument(
         "--isa",
         default=None,
         help="kernel build: generic, avx2, avx512, amx (default: this CPU's)",
     )
 
 
-def decode_batch(batch: int, context: int, dtype, seed: int = 0) -> dict:
+def decode_batch(batch: int, context: int, dtype, seed: int = 0, contiguous: bool = False) -> dict:
     """A decode step's inputs at SmolLM2's heads: ``batch`` sequences of ``context`` +- 32
-    tokens, their blocks scattered over a pool twice the size needed, as in a busy engine."""
+    tokens, their blocks scattered over a pool twice the size needed, as in a busy engine (or,
+    ``contiguous``, each sequence's blocks one after another)."""
     import torch
 
     from kernels.interface import AttentionMetadata
@@ -42,7 +50,8 @@ def decode_batch(batch: int, context: int, dtype, seed: int = 0) -> dict:
     lens = torch.randint(context - 32, context + 33, (batch,), generator=gen)
     blocks_per_seq = (int(lens.max()) + block - 1) // block
     num_blocks = 2 * batch * blocks_per_seq
-    tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
+    order = torch.arange(num_blocks) if contiguous else torch.randperm(num_blocks, generator=gen)
+    tables = order[: batch * blocks_per_seq]
     tables = tables.view(batch, blocks_per_seq).int()
     positions = (lens - 1).tolist()
     meta = AttentionMetadata(
@@ -76,7 +85,7 @@ def run(args) -> dict:
 
     threads = set_threads(args)
     dtype = getattr(torch, default_dtype("cpu") if args.dtype == "auto" else args.dtype)
-    d = decode_batch(args.batch, args.context, dtype)
+    d = decode_batch(args.batch, args.context, dtype, contiguous=args.blocks == "contiguous")
     lens, tables, meta = d["lens"], d["tables"], d["meta"]
     k_cache, v_cache = d["k_cache"], d["v_cache"]
     # One (keys, values) pair per layer; the first layer's output is the one compared.
@@ -99,6 +108,7 @@ def run(args) -> dict:
         "mean_context": float(lens.float().mean()),
         "dtype": dtype_name,
         "layers": args.layers,
+        "blocks": args.blocks,
     }
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
@@ -170,6 +180,7 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
         f"({d['heads']}/{d['kv_heads']} heads, head_dim {d['head_dim']}, {dtype_name}, "
         f"{threads} threads, kernel build {result['isa']}), mean of {args.iters} calls"
         + (f" over {args.layers} layers' caches in turn, per layer" if args.layers > 1 else "")
+        + f", blocks {args.blocks}"
         + ":"
     )
     layout = result.get("key_layout")
