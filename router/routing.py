@@ -298,21 +298,7 @@ class Router:
         # An explicit 0 (which the replica rejects) counts as the default, like an unset one.
         default = self.config.default_max_tokens
         decode = (requested_max_tokens(sampling, default) or default) * requested_n(sampling)
-        # Each candidate built once, in one pass that also keeps what the rest of the decision
-        # reads of them: the most leading blocks any matches, how many match that many, and
-        # the most below that (the miss attribution's "elsewhere" for the chosen one).
-        candidates: list[Candidate] = []
-        best = runner_up = tied = 0
-        for h in handles:
-            c = self._candidate(h, matches, hashes, primary)
-            candidates.append(c)
-            matched = max(c.cached_blocks, c.predicted_blocks)
-            if matched > best:
-                best, runner_up, tied = matched, best, 1
-            elif matched == best:
-                tied += 1
-            elif matched > runner_up:
-                runner_up = matched
+        candidates, best, runner_up, tied = self._candidates(handles, matches, hashes, primary)
         # Tie-break key: the deepest block some replica holds (the same for every request and
         # router sharing that prefix, distinct between prefixes), else the whole prompt.
         if hashes:
@@ -357,6 +343,26 @@ class Router:
         if not defer_bookkeeping:
             self.account(plan)
         return plan
+
+    def _candidates(
+        self, handles, matches, hashes: list[BlockHash], primary: GROUP_KEY | None
+    ) -> tuple[list[Candidate], int, int, int]:
+        """Each candidate built once, in one pass that also keeps what the rest of the decision
+        reads of them: the most leading blocks any matches, the most below that (the miss
+        attribution's "elsewhere" for the chosen one), and how many match the most."""
+        candidates: list[Candidate] = []
+        best = runner_up = tied = 0
+        for h in handles:
+            c = self._candidate(h, matches, hashes, primary)
+            candidates.append(c)
+            matched = max(c.cached_blocks, c.predicted_blocks)
+            if matched > best:
+                best, runner_up, tied = matched, best, 1
+            elif matched == best:
+                tied += 1
+            elif matched > runner_up:
+                runner_up = matched
+        return candidates, best, runner_up, tied
 
     async def _lookup(
         self, tokens: PromptTokens, group: GROUP_KEY | None

@@ -137,11 +137,7 @@ def test_pair_gemm_matches_the_float64_product(mode, with_bias, rows, out_in):
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3 * (k**0.5))
 
 
-@pytest.mark.parametrize("mode", PAIR_MODES)
-def test_pair_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(mode):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(70, 576, generator=gen).bfloat16()
-    packed = _pairs((torch.randn(960, 576, generator=gen) * 0.05).bfloat16(), mode)
+def _same_bits_in_any_batch_and_thread_count(x: torch.Tensor, packed) -> None:
     full = cpu_linear.linear(x, packed)
     for a, b in [(0, 1), (3, 11), (9, 70), (69, 70), (0, 64)]:
         assert torch.equal(cpu_linear.linear(x[a:b], packed), full[a:b]), (a, b)
@@ -151,6 +147,14 @@ def test_pair_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(mode)
         assert torch.equal(cpu_linear.linear(x, packed), full)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", PAIR_MODES)
+def test_pair_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(mode):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 576, generator=gen).bfloat16()
+    packed = _pairs((torch.randn(960, 576, generator=gen) * 0.05).bfloat16(), mode)
+    _same_bits_in_any_batch_and_thread_count(x, packed)
 
 
 @pytest.mark.skipif("pairs" not in PAIR_MODES, reason="this build or CPU has no vdpbf16ps")
@@ -274,15 +278,7 @@ def test_panel_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(buil
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(70, 576, generator=gen)
     packed = _panels(torch.randn(960, 576, generator=gen) * 0.05, build)
-    full = cpu_linear.linear(x, packed)
-    for a, b in [(0, 1), (3, 11), (9, 70), (69, 70), (0, 64)]:
-        assert torch.equal(cpu_linear.linear(x[a:b], packed), full[a:b]), (a, b)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(cpu_linear.linear(x, packed), full)
-    finally:
-        torch.set_num_threads(threads)
+    _same_bits_in_any_batch_and_thread_count(x, packed)
 
 
 @pytest.mark.parametrize("build", PANEL_BUILDS)

@@ -261,11 +261,12 @@ def test_two_routers_agree_on_the_map_and_see_each_others_predictions(redis_serv
             group = [HashGroup(MODEL, BS, new)]
             deadline = time.monotonic() + 5
             while True:
-                (match,) = await b.index.lookup(group)
-                if match.predicted_blocks == 4 or time.monotonic() > deadline:
+                # Empty while b's listing of live replicas lags the lease (a loaded machine).
+                matches = await b.index.lookup(group)
+                if matches and matches[0].predicted_blocks == 4 or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.02)
-            assert (match.cached_blocks, match.predicted_blocks) == (0, 4)
+            assert [(m.cached_blocks, m.predicted_blocks) for m in matches] == [(0, 4)]
             (own,) = await a.index.lookup(group)  # a keeps its own in the router's table
             assert own.predicted_blocks == 0
 

@@ -87,6 +87,34 @@ def test_packing_refuses_negative_ids_and_hashes_as_the_list() -> None:
         check_request(request, RequestLimits(), ids, prompt_ids_checked=True)
 
 
+def _random_cluster(router, rng):
+    """1-5 replicas of group ("m", 4) with random loads, leases, matches and predictions for a
+    random prompt of up to 40 ids, installed in ``router``'s view."""
+    from router.discovery import Lease, ReplicaHandle
+    from router.index import ReplicaMatch
+
+    ids = [rng.randrange(3) for _ in range(rng.randrange(0, 41))]
+    hashes = block_hashes(ids, 4, "m")
+    handles, matches = {}, []
+    for i in range(rng.randrange(1, 6)):
+        rid = f"r{i}"
+        lease = Lease(address=f"a{i}", model="m", block_size=4,
+                      queued_tokens=rng.choice([0, 16, 64, 500]),
+                      fetch_cost=rng.choice([-1.0, 0.1, 0.9]))  # fmt: skip
+        handle = ReplicaHandle(rid, lease, None, None, None)  # type: ignore[arg-type]
+        handle.inflight_tokens = rng.choice([0, 8, 40, 300])
+        handles[rid] = handle
+        cached = rng.randrange(len(hashes) + 1)
+        predicted = rng.randrange(cached, len(hashes) + 1)
+        matches.append(ReplicaMatch(rid, cached, predicted, rng.choice([0, 50]), lease))
+        router._predicted.pop(rid, None)
+        if hashes and rng.random() < 0.3:  # this router's own predictions
+            ahead = hashes[: rng.randrange(len(hashes) + 1)]
+            router._predicted[rid] = dict.fromkeys(ahead, 1e18)
+    router.view.handles, router.view.listed = handles, list(handles)
+    return ids, hashes, handles, matches
+
+
 def test_route_in_one_pass_decides_as_separate_passes_over_the_candidates() -> None:
     """``Router.route`` builds each candidate once and keeps the deepest match, its count and
     the runner-up as it goes: on random clusters (cache_aware with and without the request
@@ -95,7 +123,6 @@ def test_route_in_one_pass_decides_as_separate_passes_over_the_candidates() -> N
     import random
 
     from router.config import RouterConfig
-    from router.discovery import Lease, ReplicaHandle
     from router.index import ReplicaMatch
     from router.policy import RouteRequest, fetch_source
     from router.prompt import fallback_affinity
@@ -124,27 +151,8 @@ def test_route_in_one_pass_decides_as_separate_passes_over_the_candidates() -> N
             router.view.model_ids[group] = "m"
             router.view.tokenizers[group] = None
             for _ in range(400):
-                n = rng.randrange(1, 6)
-                ids = [rng.randrange(3) for _ in range(rng.randrange(0, 41))]
-                blocks = len(ids) // 4
-                hashes = block_hashes(ids, 4, "m")
-                handles, matches = {}, []
-                for i in range(n):
-                    rid = f"r{i}"
-                    lease = Lease(address=f"a{i}", model="m", block_size=4,
-                                  queued_tokens=rng.choice([0, 16, 64, 500]),
-                                  fetch_cost=rng.choice([-1.0, 0.1, 0.9]))  # fmt: skip
-                    handle = ReplicaHandle(rid, lease, None, None, None)  # type: ignore[arg-type]
-                    handle.inflight_tokens = rng.choice([0, 8, 40, 300])
-                    handles[rid] = handle
-                    cached = rng.randrange(blocks + 1)
-                    predicted = rng.randrange(cached, blocks + 1)
-                    matches.append(ReplicaMatch(rid, cached, predicted, rng.choice([0, 50]), lease))
-                    router._predicted.pop(rid, None)
-                    if hashes and rng.random() < 0.3:  # this router's own predictions
-                        ahead = hashes[: rng.randrange(len(hashes) + 1)]
-                        router._predicted[rid] = dict.fromkeys(ahead, 1e18)
-                router.view.handles, router.view.listed = handles, list(handles)
+                ids, hashes, handles, matches = _random_cluster(router, rng)
+                blocks = len(hashes)
                 Index.matches = matches
                 # The separate passes, on the state route will see.
                 by_id = {m.replica_id: m for m in matches}

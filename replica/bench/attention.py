@@ -103,13 +103,8 @@ def run(args) -> dict:
 
     dtype_name = str(dtype).removeprefix("torch.")
     outputs = {}
-    result = {
-        "batch": args.batch,
-        "mean_context": float(lens.float().mean()),
-        "dtype": dtype_name,
-        "layers": args.layers,
-        "blocks": args.blocks,
-    }
+    result = {"batch": args.batch, "mean_context": float(lens.float().mean())}
+    result.update(dtype=dtype_name, layers=args.layers, blocks=args.blocks)
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
     scale = d["head_dim"] ** -0.5
@@ -145,6 +140,22 @@ def run(args) -> dict:
             result["cpu_kernel_fma_scores_ms"] = per_layer_ms(attend)
         finally:
             kernels.set_decode_scores("auto")
+    _compare(outputs, result)
+    row_bytes = 2 * d["kv_heads"] * d["head_dim"] * k_cache.element_size()
+    result["kv_mb"] = sum(int(n) for n in lens) * row_bytes / 1e6
+    if kernels is not None:
+        # The floor: every key and value the step attends to, read once, the kernel's way
+        # (in the layout the kernel just read).
+        int_lens = lens.int()
+        read = every_layer(lambda k, v: kernels.read_kv_once(k, v, tables, int_lens), layout)
+        result["read_kv_ms"] = per_layer_ms(read)
+        result["kernel_vs_floor"] = result["cpu_kernel_ms"] / result["read_kv_ms"]
+    _print(args, d, dtype_name, threads, result)
+    return result
+
+
+def _compare(outputs: dict, result: dict) -> None:
+    """The kernel's outputs (each layout) against the torch path's, and its speed-up."""
     if "cpu_kernel" in outputs and "torch_sdpa" in outputs:
         diffs = [
             float((out.float() - outputs["torch_sdpa"].float()).abs().max())
@@ -153,17 +164,6 @@ def run(args) -> dict:
         ]
         result["max_abs_diff"] = max(diffs)
         result["speedup"] = result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
-    row_bytes = 2 * d["kv_heads"] * d["head_dim"] * k_cache.element_size()
-    result["kv_mb"] = sum(int(n) for n in lens) * row_bytes / 1e6
-    if kernels is not None:
-        # The floor: every key and value the step attends to, read once, the kernel's way.
-        # The floor reads the caches in the layout the kernel just read.
-        int_lens = lens.int()
-        read = every_layer(lambda k, v: kernels.read_kv_once(k, v, tables, int_lens), layout)
-        result["read_kv_ms"] = per_layer_ms(read)
-        result["kernel_vs_floor"] = result["cpu_kernel_ms"] / result["read_kv_ms"]
-    _print(args, d, dtype_name, threads, result)
-    return result
 
 
 def _token_minor(keys):
