@@ -31,6 +31,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # Compiled into the same module: the linear layers' own GEMMs (kernels/cpu_linear.py), bfloat16
 # on AVX-512 BF16 and float32 on FMA vectors.
 SOURCES = (SOURCE, SOURCE.parent / "pair_gemm.cpp", SOURCE.parent / "panel_gemm.cpp")
+# Included by cpu_ops.cpp (twice: docs/kernels.md); part of the build's digest.
+HEADERS = (SOURCE.parent / "elementwise.h",)
 _X86 = platform.machine() in ("x86_64", "AMD64")
 _COMMON_X86 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"]
 # What ATen passes when it compiles its own kernels for each capability.
@@ -91,7 +93,8 @@ def _build(target: str) -> ModuleType | None:
         # and two checkouts on one machine do not rebuild over each other (torch's builder
         # recompiles whenever the source's path in its build file changes).
         flags = ["-O3", "-fopenmp", *BUILD_FLAGS[target]]
-        key = "".join(f"{src.resolve()}\n{src.read_text()}" for src in SOURCES) + " ".join(flags)
+        files = (*SOURCES, *HEADERS)
+        key = "".join(f"{src.resolve()}\n{src.read_text()}" for src in files) + " ".join(flags)
         digest = hashlib.sha1(key.encode()).hexdigest()[:12]
         name = f"prefixmesh_cpu_ops_{target}_{digest}"
         _clear_stale_lock(name)

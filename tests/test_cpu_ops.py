@@ -278,11 +278,12 @@ def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [576, 61])  # SmolLM2's, and one with a scalar tail
-def test_rms_norm_and_its_residual_add(isa, dtype, width):
+@pytest.mark.parametrize("rows", [9, 100])  # one thread's share, and split across threads
+def test_rms_norm_and_its_residual_add(isa, dtype, width, rows):
     ops = _ops(isa)
     gen = torch.Generator().manual_seed(width)
-    x = torch.randn(9, width, generator=gen).to(dtype)
-    residual = torch.randn(9, width, generator=gen).to(dtype)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
     weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
     _close(ops.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5), dtype)
     summed = residual + x  # the decoder's skip connection, rounded to dtype as HF stores it
@@ -332,11 +333,59 @@ def test_rope_rotates_q_and_k_and_writes_the_cache(isa, dtype, head_dim, keys, b
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(isa, dtype):
+@pytest.mark.parametrize("rows", [7, 64])
+def test_silu_and_mul(isa, dtype, rows):
     gen = torch.Generator().manual_seed(1)
-    gate_up = (3 * torch.randn(7, 2 * 1539, generator=gen)).to(dtype)
+    gate_up = (3 * torch.randn(rows, 2 * 1539, generator=gen)).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     _close(_ops(isa).silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+def _elementwise_outputs(ops, rows: int = 64, width: int = 576, heads=(9, 3), head_dim: int = 64):
+    """Every bfloat16 elementwise kernel's outputs on one set of inputs, with denormals, NaNs,
+    infinities and signed zeros among them."""
+    gen = torch.Generator().manual_seed(7)
+    special = torch.tensor([1e-39, -1e-39, 3e-41, float("nan"), float("inf"), -0.0, 0.0, 1e-38])
+
+    def randn(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen)
+        t.view(-1)[: 4 * len(special)] = special.repeat(4)
+        return t.to(torch.bfloat16)
+
+    x, residual, weight = randn(rows, width), randn(rows, width), randn(width)
+    q_heads, kv_heads = heads
+    qkv = randn(rows, (q_heads + 2 * kv_heads) * head_dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(512).float(), inv_freq)
+    k_cache, v_cache = new_kv_cache(8, 16, kv_heads, head_dim, dtype=torch.bfloat16)
+    ops.rope_write_kv(
+        qkv, torch.arange(rows) * 7, freqs.cos().contiguous(), freqs.sin().contiguous(),
+        q_heads, kv_heads, k_cache, v_cache, torch.arange(rows),
+    )  # fmt: skip
+    normed = ops.add_rms_norm(x, residual, weight, 1e-5)
+    return [ops.rms_norm(x, weight, 1e-5), normed, residual, qkv, k_cache, v_cache,
+            ops.silu_and_mul(randn(rows, 2 * 1536))]  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_bfloat16_conversion_in_hardware_gives_the_emulations_bits(isa):
+    """AVX-512 builds on a CPU with AVX-512 BF16 round bfloat16 with vcvtne2ps2bf16, others with
+    ATen's integer emulation; ``set_bf16_convert`` says which runs and turns the instruction off,
+    and both must give every kernel the same bits, special values included."""
+    ops = _ops(isa)
+    has_instruction = "avx512_bf16" in (cpu_flags.cpu_flags() or ())
+    expected = "native" if isa in ("avx512", "amx") and has_instruction else "emulated"
+    try:
+        assert ops.set_bf16_convert("auto") == expected
+        native = _elementwise_outputs(ops)
+        assert ops.set_bf16_convert("emulated") == expected
+        emulated = _elementwise_outputs(ops)
+    finally:
+        ops.set_bf16_convert("auto")
+    for got, want in zip(native, emulated, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(RuntimeError, match="auto or emulated"):
+        ops.set_bf16_convert("fast")
 
 
 # --------------------------------------------------------------------------- builds and caps

@@ -36,11 +36,12 @@ namespace {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t W = fVec::size();
 
-// Rows per thread for the elementwise kernels: about 256K elements, so a decode step's
-// 64 x 576 activations run on one thread. Splitting microseconds of work costs a fork and a
-// barrier per call, and a barrier can cost a whole scheduler slice when the cores are shared
-// (several replicas on one machine).
-inline int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 18) / width); }
+// Rows per thread for the elementwise kernels: at least 16K elements, so a decode step of 64
+// sequences (64 x 576 activations, 20-40 us of work a call) splits across two threads and a
+// lone sequence's row stays on one. A fork and a barrier cost a few microseconds where the
+// threads have cores of their own (the GEMMs pay them 121 times a step already); a replica
+// that shares its cores runs with --threads 1, where nothing forks.
+inline int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 14) / width); }
 
 // ---------------------------------------------------------------- loads and stores as float
 template <typename T>
@@ -1007,157 +1008,65 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
   return total;
 }
 
-// ---------------------------------------------------------------- RMSNorm (+ residual add)
-// out = weight * T(x / rms(x)) with x in float32, as Hugging Face orders it. With a residual,
-// first residual = T(residual + x) in place (the decoder's skip connection), and normalize that.
-template <typename T>
-void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n,
-                   int64_t x_stride, float eps) {
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(n);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_stride;
-      T* rr = residual ? residual + r * n : nullptr;
-      fVec ss(0.f);
-      int64_t i = 0;
-      for (; i + 2 * W <= n; i += 2 * W) {
-        fVec a, b;
-        load2(xr + i, a, b);
-        if (rr) {
-          fVec ra, rb;
-          load2(rr + i, ra, rb);
-          a = a + ra;
-          b = b + rb;
-          round2<T>(a, b);  // the residual as the model stores it
-          store2(rr + i, a, b);
-        }
-        a.store(buf.data() + i);
-        b.store(buf.data() + i + W);
-        ss = at::vec::fmadd(b, b, at::vec::fmadd(a, a, ss));  // a first, as one at a time
-      }
-      for (; i + W <= n; i += W) {
-        fVec v = loadf(xr + i);
-        if (rr) {
-          storef(rr + i, v + loadf(rr + i));
-          v = loadf(rr + i);  // rounded to T as the model would store it
-        }
-        v.store(buf.data() + i);
-        ss = at::vec::fmadd(v, v, ss);
-      }
-      float sum = hsum(ss);
-      for (; i < n; ++i) {
-        float v = to_float(xr[i]);
-        if (rr) {
-          rr[i] = static_cast<T>(v + to_float(rr[i]));
-          v = to_float(rr[i]);
-        }
-        buf[i] = v;
-        sum += v * v;
-      }
-      const float inv = 1.f / std::sqrt(sum / n + eps);
-      T* o = out + r * n;
-      const fVec inv_v(inv);
-      for (i = 0; i + 2 * W <= n; i += 2 * W) {
-        fVec a = fVec::loadu(buf.data() + i) * inv_v;
-        fVec b = fVec::loadu(buf.data() + i + W) * inv_v;
-        round2<T>(a, b);  // the normalized row in T, as Hugging Face rounds it
-        fVec wa, wb;
-        load2(weight + i, wa, wb);
-        store2(o + i, wa * a, wb * b);
-      }
-      for (; i + W <= n; i += W)
-        storef(o + i, loadf(weight + i) * round_to<T>(fVec::loadu(buf.data() + i) * inv_v));
-      for (; i < n; ++i) {
-        const T normed = static_cast<T>(buf[i] * inv);
-        o[i] = static_cast<T>(to_float(weight[i]) * to_float(normed));
-      }
-    }
-  });
+// ---------------------------------------------------------------- elementwise kernels
+namespace plain_cvt {
+#include "elementwise.h"
+}  // namespace plain_cvt
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define PM_NATIVE_BF16 1
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+namespace native_cvt {
+// float32 pairs to bfloat16 in one vcvtne2ps2bf16, where ATen's emulation takes ~10 integer
+// instructions per vector. The instruction treats denormal inputs as zero and writes its own
+// NaNs; a pair holding either (never, in a model's activations) takes ATen's conversion, so
+// the bits are ATen's everywhere.
+inline __m512i to_bf16(const fVec& a, const fVec& b) {
+  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
+  const __mmask16 odd =
+      _mm512_fpclass_ps_mask(a, kNanOrDenormal) | _mm512_fpclass_ps_mask(b, kNanOrDenormal);
+  if (__builtin_expect(odd != 0, 0)) return at::vec::convert_from_float<at::BFloat16>(a, b);
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
 }
 
-// ---------------------------------------------------------------- RoPE + KV-cache write
-// qkv: [T, (H + 2 KVH) * D], the fused projection's output. Rotates the query and key heads in
-// place (rotate-half RoPE, Hugging Face's Llama convention) with float32 cos/sin tables of
-// [positions, D / 2], then copies each token's key and value rows into their cache slot.
 template <typename T>
-void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, const float* cos,
-                const float* sin, int64_t H, int64_t KVH, int64_t D, T* kc, T* vc,
-                const int64_t* slots, int64_t BS, int64_t kblock) {
-  const int64_t half = D / 2;
-  at::parallel_for(0, tokens, grain_rows(stride), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      T* row = qkv + t * stride;
-      const float* c = cos + pos[t] * half;
-      const float* s = sin + pos[t] * half;
-      for (int64_t h = 0; h < H + KVH; ++h) {
-        T* x = row + h * D;
-        int64_t i = 0;
-        // Two vectors at a time where the half-row allows: one bfloat16/float16 conversion for
-        // both (head_dim 64 under AVX-512: the whole half-row; 3x faster on bfloat16).
-        for (; i + 2 * W <= half; i += 2 * W) {
-          fVec x1a, x1b, x2a, x2b;
-          load2(x + i, x1a, x1b);
-          load2(x + half + i, x2a, x2b);
-          const fVec ca = fVec::loadu(c + i), cb = fVec::loadu(c + i + W);
-          const fVec sa = fVec::loadu(s + i), sb = fVec::loadu(s + i + W);
-          store2(x + i, x1a * ca - x2a * sa, x1b * cb - x2b * sb);
-          store2(x + half + i, x2a * ca + x1a * sa, x2b * cb + x1b * sb);
-        }
-        for (; i + W <= half; i += W) {
-          const fVec x1 = loadf(x + i), x2 = loadf(x + half + i);
-          const fVec cv = fVec::loadu(c + i), sv = fVec::loadu(s + i);
-          storef(x + i, x1 * cv - x2 * sv);
-          storef(x + half + i, x2 * cv + x1 * sv);
-        }
-        for (; i < half; ++i) {
-          const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
-          x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
-          x[half + i] = static_cast<T>(x2 * c[i] + x1 * s[i]);
-        }
-      }
-      if (slots[t] < 0) continue;  // padding
-      const int64_t kv = KVH * D;
-      if (kblock > 0) {  // token-minor keys: element d of head h at h * D * BS + d * BS
-        T* k = kc + slots[t] / BS * kblock + slots[t] % BS;
-        const T* src = row + H * D;
-        for (int64_t e = 0; e < kv; ++e) k[e * BS] = src[e];
-      } else {
-        std::copy(row + H * D, row + H * D + kv, kc + slots[t] * kv);
-      }
-      std::copy(row + H * D + kv, row + H * D + 2 * kv, vc + slots[t] * kv);
-    }
-  });
+inline void store2(T* p, const fVec& a, const fVec& b) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    _mm512_storeu_si512(p, to_bf16(a, b));
+  } else {
+    ::store2<T>(p, a, b);
+  }
 }
 
-// ---------------------------------------------------------------- SiLU and multiply
-// gate_up: [T, 2I] -> [T, I], silu(gate) * up, in float32.
 template <typename T>
-void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, grain_rows(3 * inter), [&](int64_t begin, int64_t end) {
-    const fVec one(1.f);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = in + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      int64_t i = 0;
-      for (; i + 2 * W <= inter; i += 2 * W) {
-        fVec xa, xb, ua, ub;
-        load2(g + i, xa, xb);
-        load2(u + i, ua, ub);
-        store2(o + i, xa / (one + exp_for<T>(xa.neg())) * ua,
-               xb / (one + exp_for<T>(xb.neg())) * ub);
-      }
-      for (; i + W <= inter; i += W) {
-        const fVec x = loadf(g + i);
-        storef(o + i, x / (one + exp_for<T>(x.neg())) * loadf(u + i));
-      }
-      for (; i < inter; ++i) {
-        const float x = to_float(g[i]);
-        o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * to_float(u[i]));
-      }
-    }
-  });
+inline void round2(fVec& a, fVec& b) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    std::tie(a, b) = at::vec::convert_to_float<at::BFloat16>(to_bf16(a, b));
+  } else {
+    ::round2<T>(a, b);
+  }
 }
+
+#include "elementwise.h"
+}  // namespace native_cvt
+#pragma GCC pop_options
+#endif
+
+// false: plain_cvt everywhere (set_bf16_convert("emulated"), for tests on any CPU).
+std::atomic<bool> g_native_bf16{true};
+
+// The call from native_cvt for bfloat16 where that runs here (native_bf16()), else plain_cvt's.
+#if defined(PM_NATIVE_BF16)
+#define PM_ELEMENTWISE(...)                                      \
+  if (std::is_same_v<scalar_t, at::BFloat16> && native_bf16()) { \
+    native_cvt::__VA_ARGS__;                                     \
+  } else {                                                       \
+    plain_cvt::__VA_ARGS__;                                      \
+  }
+#else
+#define PM_ELEMENTWISE(...) plain_cvt::__VA_ARGS__
+#endif
 
 // ---------------------------------------------------------------- greedy sampling
 // Index of each row's largest value, the first one on ties (torch.argmax's answer; a row with
@@ -1204,6 +1113,14 @@ void check_rows(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+namespace pm {
+bool pairs_hardware();
+}  // namespace pm
+
+// Whether the bfloat16 elementwise kernels convert with vcvtne2ps2bf16 here: an AVX-512 build
+// on a CPU with AVX-512 BF16 (what pairs_hardware checks), unless set to "emulated".
+bool native_bf16() { return g_native_bf16.load(std::memory_order_relaxed) && pm::pairs_hardware(); }
 
 // ---------------------------------------------------------------- entry points
 at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
@@ -1259,9 +1176,9 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
   auto out = at::empty({rows, n}, x.options());
   PM_DISPATCH(x.scalar_type(), "rms_norm",
-              rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr,
-                                      weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                      rows, n, x.stride(0), static_cast<float>(eps)));
+              PM_ELEMENTWISE(rms_norm_rows<scalar_t>(
+                  x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(),
+                  out.data_ptr<scalar_t>(), rows, n, x.stride(0), static_cast<float>(eps))));
   return out;
 }
 
@@ -1272,9 +1189,10 @@ at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
   const int64_t rows = x.size(0), n = x.size(1);
   auto out = at::empty({rows, n}, x.options());
   PM_DISPATCH(x.scalar_type(), "add_rms_norm",
-              rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
-                                      weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                      rows, n, x.stride(0), static_cast<float>(eps)));
+              PM_ELEMENTWISE(rms_norm_rows<scalar_t>(
+                  x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                  weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n, x.stride(0),
+                  static_cast<float>(eps))));
   return out;
 }
 
@@ -1289,12 +1207,12 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
   TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
   const int64_t kblock = key_block_elements(k_cache);
   PM_DISPATCH(qkv.scalar_type(), "rope_write_kv",
-              rope_write<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.size(0), qkv.stride(0),
-                                   positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                                   sin.data_ptr<float>(), num_heads, num_kv_heads, D,
-                                   k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                   slot_mapping.data_ptr<int64_t>(), k_cache.size(1),
-                                   kblock));
+              PM_ELEMENTWISE(rope_write<scalar_t>(
+                  qkv.data_ptr<scalar_t>(), qkv.size(0), qkv.stride(0),
+                  positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  num_heads, num_kv_heads, D, k_cache.data_ptr<scalar_t>(),
+                  v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
+                  k_cache.size(1), kblock)));
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {
@@ -1303,8 +1221,8 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto out = at::empty({rows, inter}, gate_up.options());
   PM_DISPATCH(gate_up.scalar_type(), "silu_and_mul",
-              silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                      rows, inter));
+              PM_ELEMENTWISE(silu_mul_rows<scalar_t>(
+                  gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter)));
   return out;
 }
 
@@ -1340,6 +1258,16 @@ std::string set_decode_scores(const std::string& mode) {
   return tiles ? "amx" : "fma";
 }
 
+// How the bfloat16 elementwise kernels convert from now on: "auto" (vcvtne2ps2bf16 where the
+// build and the CPU have it) or "emulated" (ATen's integer conversion, on any CPU). Returns the
+// conversion "auto" resolves to here: "native" or "emulated".
+std::string set_bf16_convert(const std::string& mode) {
+  TORCH_CHECK(mode == "auto" || mode == "emulated",
+              "bfloat16 conversion must be auto or emulated, got ", mode);
+  g_native_bf16.store(mode == "auto");
+  return pm::pairs_hardware() ? "native" : "emulated";
+}
+
 // Floats in this build's vectors (8 under AVX2, 16 under AVX-512).
 int64_t vector_width() { return W; }
 
@@ -1359,7 +1287,6 @@ std::string isa() {
 
 // The linear layers: bfloat16 on AVX-512 BF16 (kernels/csrc/pair_gemm.cpp) and float32.
 namespace pm {
-bool pairs_hardware();
 at::Tensor pack_pairs(at::Tensor weight);
 at::Tensor pairs_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                         bool emulate);
@@ -1382,6 +1309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_width", &vector_width, "floats in this build's vectors");
   m.def("set_decode_scores", &set_decode_scores,
         "how decode attention scores keys: auto, fma, amx or emulated");
+  m.def("set_bf16_convert", &set_bf16_convert,
+        "how the bfloat16 elementwise kernels convert: auto or emulated");
   m.def("pairs_hardware", &pm::pairs_hardware,
         "whether pairs_linear runs on vdpbf16ps here (this build and CPU)");
   m.def("pack_pairs", &pm::pack_pairs, "a bfloat16 [out, in] weight packed for pairs_linear");
