@@ -656,13 +656,8 @@ def _row(res: SimResult, cap: float) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loadtest.cli import build_parser
-    from loadtest.workload import build_workload
-
-    parser = build_parser()
-    parser.prog = "python -m loadtest.simulate"
-    g = parser.add_argument_group("simulation")
+def _add_simulation_flags(g: Any) -> None:
+    """The simulator's own flags, beside the load tester's (``loadtest/cli.py``)."""
     g.add_argument("--replicas", type=int, default=3)
     g.add_argument("--num-blocks", type=int, default=2912, help="KV blocks per replica")
     g.add_argument("--sim-block-size", type=int, default=16)
@@ -705,6 +700,15 @@ def main(argv: list[str] | None = None) -> int:
         "replica within the load bound whose pool evicts the longest-unused blocks for it",
     )  # fmt: skip
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtest.cli import build_parser
+    from loadtest.workload import build_workload
+
+    parser = build_parser()
+    parser.prog = "python -m loadtest.simulate"
+    _add_simulation_flags(parser.add_argument_group("simulation"))
     args = parser.parse_args(argv)
     if args.workload is None:
         args.workload = "trace" if args.trace else "shared-prefix"
