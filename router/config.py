@@ -109,7 +109,7 @@ _HELP: dict[str, str] = {
     "balance_requests_epsilon": "request bound: a replica whose share of this router's last "
     "--balance-window decisions would exceed (1 + epsilon) x the mean (+ 2 requests) is "
     "skipped, so a hot prefix spills over to a second replica (0.2 keeps max/mean requests "
-    "near 1.2; negative = off)",
+    "near 1.2; negative = off); it starts once the window holds 32 decisions",
     "balance_window": "routing decisions over which the request bound counts requests",
     "tie_tokens": "costs within this many tokens count as equal; ties go to the replica the "
     "prefix hashes to (rendezvous), the same on every router",
