@@ -54,6 +54,7 @@ from loadtest.request import LoadRequest
 from prefixmesh.hashing import block_hashes
 from router.attribution import MISS_KINDS, MissAttribution, PendingMisses
 from router.balance import RecentRequests
+from router.config import RouterConfig
 from router.policy import (
     CacheAwarePolicy,
     Candidate,
@@ -66,6 +67,7 @@ from router.policy import (
 from router.prompt import fallback_affinity
 
 _MODEL = "sim"
+_ROUTER = RouterConfig()  # the router's defaults, which the simulation flags share
 EVICT_POLICIES = ("lru", "dup", "fetched")
 
 
@@ -427,6 +429,7 @@ class Simulation:
         predicted_ttl_s: float = 5.0,
         hold_predicted: bool = True,
         cold_placement: str = "policy",
+        balance_window: int = 256,
     ) -> None:
         self.cold_placement = cold_placement
         self.model = model
@@ -443,7 +446,7 @@ class Simulation:
         self.predicted: list[dict[bytes, float]] = [{} for _ in range(replicas)]
         self.attribution = MissAttribution()
         self.decisions: dict[str, int] = {}
-        self.recent = RecentRequests()
+        self.recent = RecentRequests(balance_window)
         bs = model.block_size
         self.reqs = [
             SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt or None))
@@ -624,9 +627,13 @@ def simulate(
     concurrency: int | None = None,
     policy_factory: Callable[[str], Policy] = make_policy,
     cold_placement: str = "policy",
+    balance_window: int = 256,
 ) -> SimResult:
     p = policy_factory(policy) if isinstance(policy, str) else policy
-    sim = Simulation(requests, p, replicas, model, concurrency, cold_placement=cold_placement)
+    sim = Simulation(
+        requests, p, replicas, model, concurrency, cold_placement=cold_placement,
+        balance_window=balance_window,
+    )  # fmt: skip
     return sim.run()
 
 
@@ -649,23 +656,28 @@ def _row(res: SimResult, cap: float) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loadtest.cli import build_parser
-    from loadtest.workload import build_workload
-
-    parser = build_parser()
-    parser.prog = "python -m loadtest.simulate"
-    g = parser.add_argument_group("simulation")
+def _add_simulation_flags(g: Any) -> None:
+    """The simulator's own flags, beside the load tester's (``loadtest/cli.py``)."""
     g.add_argument("--replicas", type=int, default=3)
     g.add_argument("--num-blocks", type=int, default=2912, help="KV blocks per replica")
     g.add_argument("--sim-block-size", type=int, default=16)
     g.add_argument("--prefill-ms", type=float, default=2.0, help="per prefilled token")
     g.add_argument("--decode-ms", type=float, default=10.0, help="per decoding sequence")
     g.add_argument("--step-ms", type=float, default=20.0, help="fixed cost of an engine step")
-    g.add_argument("--balance-epsilon", type=float, default=1.0, help="as the router's flag")
-    g.add_argument("--prefill-weight", type=float, default=8.0, help="as the router's flag")
     g.add_argument(
-        "--balance-requests-epsilon", type=float, default=-1.0, help="as the router's flag"
+        "--balance-epsilon", type=float, default=_ROUTER.balance_epsilon,
+        help="as the router's flag",
+    )  # fmt: skip
+    g.add_argument(
+        "--prefill-weight", type=float, default=_ROUTER.prefill_weight,
+        help="as the router's flag",
+    )  # fmt: skip
+    g.add_argument(
+        "--balance-requests-epsilon", type=float, default=_ROUTER.balance_requests_epsilon,
+        help="as the router's flag (negative: off)",
+    )  # fmt: skip
+    g.add_argument(
+        "--balance-window", type=int, default=_ROUTER.balance_window, help="as the router's flag"
     )
     g.add_argument(
         "--fetch", action="store_true",
@@ -688,6 +700,15 @@ def main(argv: list[str] | None = None) -> int:
         "replica within the load bound whose pool evicts the longest-unused blocks for it",
     )  # fmt: skip
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtest.cli import build_parser
+    from loadtest.workload import build_workload
+
+    parser = build_parser()
+    parser.prog = "python -m loadtest.simulate"
+    _add_simulation_flags(parser.add_argument_group("simulation"))
     args = parser.parse_args(argv)
     if args.workload is None:
         args.workload = "trace" if args.trace else "shared-prefix"
@@ -716,8 +737,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in (args.compare or "cache_aware").split(","):
         res = simulate(
-            requests, name, args.replicas, model, concurrency, factory, args.cold_placement
-        )
+            requests, name, args.replicas, model, concurrency, factory, args.cold_placement,
+            args.balance_window,
+        )  # fmt: skip
         row = _row(res, cap)
         print(json.dumps(row) if args.json else row)
     return 0

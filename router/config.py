@@ -56,7 +56,7 @@ class RouterConfig:
     # Cost model and load bound (docs/router.md explains them).
     balance_epsilon: float = 1.0
     balance_slack_tokens: int = 512
-    balance_requests_epsilon: float = -1.0
+    balance_requests_epsilon: float = 0.2
     balance_window: int = 256
     tie_tokens: int = 32
     prefill_weight: float = 8.0
@@ -108,7 +108,8 @@ _HELP: dict[str, str] = {
     "an idle cluster stays together",
     "balance_requests_epsilon": "request bound: a replica whose share of this router's last "
     "--balance-window decisions would exceed (1 + epsilon) x the mean (+ 2 requests) is "
-    "skipped (negative = off, the default; 0.2 keeps max/mean requests near 1.2)",
+    "skipped, so a hot prefix spills over to a second replica (0.2 keeps max/mean requests "
+    "near 1.2; negative = off); it starts once the window holds 32 decisions",
     "balance_window": "routing decisions over which the request bound counts requests",
     "tie_tokens": "costs within this many tokens count as equal; ties go to the replica the "
     "prefix hashes to (rendezvous), the same on every router",

@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -97,6 +98,10 @@ class Forwarder:
         self.metrics = router.metrics
         self.limits = limits or RequestLimits()  # prefixmesh/limits.py
         self.tenants = tenants  # prefixmesh/tenants.py (None: no tenant caps)
+        # Ids for requests that come without one: a random prefix per router and a counter,
+        # 32 hex digits like a random id, unique across routers without a syscall per request.
+        self._id_prefix = os.urandom(8).hex()
+        self._id_count = itertools.count()
 
     async def generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -151,7 +156,7 @@ class Forwarder:
     ) -> None:
         arrival = time.perf_counter()
         if not request.request_id:
-            request.request_id = os.urandom(16).hex()
+            request.request_id = f"{self._id_prefix}{next(self._id_count):016x}"
         n = requested_n(request.sampling)
         progress = _Progress(client_resumed=len(request.resume_token_ids))
         queue = [_Attempt(request, list(range(n)))]

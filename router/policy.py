@@ -219,6 +219,7 @@ class CacheAwarePolicy(Policy):
         request_slack: int = 2,
         fetch_weight: float | None = None,
         fetch_auto: bool = False,
+        request_min: int = 32,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -226,6 +227,10 @@ class CacheAwarePolicy(Policy):
         self.prefill_weight = prefill_weight
         self.request_epsilon = request_epsilon
         self.request_slack = request_slack
+        # The request bound waits for this many of the router's decisions in its window: a
+        # few requests say nothing about balance (a fresh router's first groups, tests, a
+        # quiet cluster), and bounding them would only scatter prefixes.
+        self.request_min = request_min
         self.fetch_weight = fetch_weight  # None: a prefix held elsewhere costs a full prefill
         # Without a fixed weight: each replica's own measured cost (Candidate.fetch_cost).
         self.fetch_auto = fetch_auto and fetch_weight is None
@@ -279,7 +284,7 @@ class CacheAwarePolicy(Policy):
 
     def within_request_bound(self, candidate: Candidate, total: int, n: int) -> bool:
         """This request keeps the replica's share of recent decisions within bounds."""
-        if self.request_epsilon is None:
+        if self.request_epsilon is None or total < self.request_min:
             return True
         limit = (1.0 + self.request_epsilon) * (total + 1) / n + self.request_slack
         return candidate.recent_requests + 1 <= limit
@@ -306,7 +311,7 @@ class CacheAwarePolicy(Policy):
             held = max(held, c.cached_blocks)
         n = len(rows)
         grow, slack = 1.0 + self.epsilon, self.slack_tokens
-        bound = self.request_epsilon
+        bound = self.request_epsilon if recent >= self.request_min else None
         request_limit = (
             (1.0 + bound) * (recent + 1) / n + self.request_slack if bound is not None else 0.0
         )

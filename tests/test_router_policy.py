@@ -204,6 +204,19 @@ def test_request_bound_spills_a_warm_replica_with_too_many_recent_requests() -> 
     assert (d.replica_id, d.outcome) == ("a", WARM)
 
 
+def test_request_bound_waits_for_enough_decisions_in_its_window() -> None:
+    # 5 of the router's last 7 decisions on the warm replica: far above 1.1 x the mean + 2,
+    # but 7 decisions say nothing about balance: below request_min the prefix stays warm.
+    warm = Candidate("a", cached_blocks=18, recent_requests=5)
+    others = [Candidate("b", recent_requests=1), Candidate("c", recent_requests=1)]
+    policy = CacheAwarePolicy(request_epsilon=0.1, request_slack=2, request_min=32)
+    assert policy.choose(req(), [warm, *others]).replica_id == "a"
+    assert policy.within_request_bound(warm, 7, 3)
+    strict = CacheAwarePolicy(request_epsilon=0.1, request_slack=2, request_min=0)
+    assert strict.choose(req(), [warm, *others]).outcome == SPILLOVER
+    assert not strict.within_request_bound(warm, 7, 3)
+
+
 def test_make_policy_passes_the_request_bound() -> None:
     p = make_policy("cache_aware", request_epsilon=0.1)
     assert isinstance(p, CacheAwarePolicy) and p.request_epsilon == 0.1
@@ -276,6 +289,7 @@ def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
         ),  # fmt: skip
         CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_weight=1.0),
         CacheAwarePolicy(epsilon=0.0, slack_tokens=0, request_epsilon=0.0, fetch_weight=0.0),
+        CacheAwarePolicy(request_epsilon=0.2, request_slack=0, request_min=0),
         CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_auto=True),
     ]
     for _ in range(400):
