@@ -352,29 +352,10 @@ class Router:
         attribution's "elsewhere" for the chosen one), and how many match the most."""
         candidates: list[Candidate] = []
         best = runner_up = tied = 0
-        # ``_candidate`` for each handle, written out: this runs for every replica on every
-        # request (tests/test_router_request_path.py checks whole decisions against
-        # ``_candidate``'s candidates).
-        local, recent = self._predicted, self.recent.count
         for h in handles:
-            rid, lease = h.replica_id, h.lease
-            match = matches.get(rid) if matches else None
-            same_group = lease.group == primary
-            cached = predicted = 0
-            other = h.other_inflight_tokens
-            if match is not None:
-                other = match.other_inflight_tokens
-                if same_group:
-                    cached, predicted = match.cached_blocks, match.predicted_blocks
-            if same_group and rid in local:
-                predicted = max(predicted, self._local_predicted(rid, hashes, cached))
-            fetch_cost = lease.fetch_cost
-            c = Candidate(
-                rid, cached, predicted, max(0, h.inflight_tokens) + other, lease.queued_tokens,
-                recent(rid), fetch_cost if fetch_cost >= 0 else None,
-            )  # fmt: skip
+            c = self._candidate(h, matches, hashes, primary)
             candidates.append(c)
-            matched = cached if cached > predicted else predicted
+            matched = c.matched_blocks
             if matched > best:
                 best, runner_up, tied = matched, best, 1
             elif matched == best:
