@@ -1020,7 +1020,7 @@ namespace plain_cvt {
 namespace native_cvt {
 // float32 pairs to bfloat16 in one vcvtne2ps2bf16, where ATen's emulation takes ~10 integer
 // instructions per vector. The instruction treats denormal inputs as zero and writes its own
-// NaNs; a pair holding either (never, in a model's activations) takes ATen's conversion, so
+// NaNs; a pair holding either (rare in a model's activations) takes ATen's conversion, so
 // the bits are ATen's everywhere.
 inline __m512i to_bf16(const fVec& a, const fVec& b) {
   constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
