@@ -426,8 +426,9 @@ class Simulation:
         replicas: int = 3,
         model: EngineModel = EngineModel(),
         concurrency: int | None = None,
-        predicted_ttl_s: float = 5.0,
+        predicted_ttl_s: float = _ROUTER.predicted_ttl_ms / 1000,
         hold_predicted: bool = True,
+        predicted_settle_s: float = _ROUTER.predicted_settle_ms / 1000,
         cold_placement: str = "policy",
         balance_window: int = 256,
     ) -> None:
@@ -440,6 +441,7 @@ class Simulation:
         self._dup_samples: list[float] = []
         self.concurrency = concurrency
         self.predicted_ttl_s = predicted_ttl_s
+        self.predicted_settle_s = predicted_settle_s  # kept after the first token
         # The router renews a request's predicted entries until its first token: a queued
         # request keeps its burst together however long it waits (router/routing.py).
         self.hold_predicted = hold_predicted
@@ -573,7 +575,7 @@ class Simulation:
                     pred = self.predicted[payload]
                     for h in r.predicted:
                         if pred.get(h) == float("inf"):
-                            pred[h] = end + self.predicted_ttl_s
+                            pred[h] = end + self.predicted_settle_s
                 keep = r.req.max_tokens
                 rep.inflight -= max(0, r.held_tokens - keep)
                 r.held_tokens = min(r.held_tokens, keep)

@@ -62,6 +62,7 @@ class RouterConfig:
     prefill_weight: float = 8.0
     fetch_weight: str = "auto"
     predicted_ttl_ms: int = 5000
+    predicted_settle_ms: int = 1000
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     # Discovery and shared state.
     discovery_interval_s: float = 0.25
@@ -123,6 +124,10 @@ _HELP: dict[str, str] = {
     "predicted_ttl_ms": "how long a routing decision counts as 'this replica will hold the "
     "prefix' before the replica's own KV events confirm it (renewed while the request waits "
     "for its first token)",
+    "predicted_settle_ms": "how long a request's predicted entries stay once the replica has "
+    "prefilled it (its first token) or it ended: time for the replica's KV events to reach the "
+    "map, which then says what the replica still holds (with the mirror, an entry goes as soon "
+    "as the replica announces its block)",
     "default_max_tokens": "max_tokens assumed for load when a request sets none (the "
     "replica's default)",
     "discovery_interval_s": "how often the lease list is re-read from Redis",
@@ -185,6 +190,8 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         problems.append(f"--max-attempts must be >= 1 (got {config.max_attempts})")
     if config.predicted_ttl_ms < 1:
         problems.append(f"--predicted-ttl-ms must be >= 1 (got {config.predicted_ttl_ms})")
+    if config.predicted_settle_ms < 0:
+        problems.append(f"--predicted-settle-ms must be >= 0 (got {config.predicted_settle_ms})")
     problems += limits.check_limits(limits.RequestLimits.from_config(config))
     problems += tls.TlsFiles.from_config(config).problems()
     if problems:

@@ -183,6 +183,7 @@ class Forwarder:
                 async for resp in call:
                     ttft = None if progress.streamed else self._first(progress, ticket, arrival)
                     plan.settle_prefill()
+                    self.router.settle(plan)
                     msg = self._observe(resp, attempt, progress, prompt_ids)
                     try:
                         await write(msg)
@@ -223,6 +224,7 @@ class Forwarder:
                 queue[:0] = resumes
             finally:
                 plan.release()
+                self.router.settle(plan)
                 if not call.done():
                     call.cancel()
 
@@ -295,6 +297,7 @@ class Forwarder:
         except TenantBusy as exc:
             self.router.account(plan)
             plan.release()
+            self.router.settle(plan)
             self.metrics.error("RESOURCE_EXHAUSTED")
             await abort_busy(context, str(exc), self.limits.retry_after_s)
 

@@ -221,6 +221,21 @@ class PrefixIndex:
             )
             await pipe.execute()
 
+    async def settle_predicted(
+        self, replica_id: str, hashes: Sequence[BlockHash], ttl_ms: int
+    ) -> None:
+        """Shorten the predicted entries of ``hashes`` on ``replica_id`` to ``ttl_ms`` from now
+        (the replica has computed them: its KV events take over). Entries already shorter, or
+        gone, are left alone."""
+        if not hashes:
+            return
+        expiry = int(time.time() * 1000) + ttl_ms
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(self._key("predicted", replica_id), dict.fromkeys(hashes, expiry),
+                      xx=True, lt=True)  # fmt: skip
+            kv_events.queue_predicted(pipe, self.ns, self.router_id, replica_id, hashes, ttl_ms)
+            await pipe.execute()
+
     async def publish_inflight(self, tokens_by_replica: Mapping[str, int]) -> None:
         """Replace this router's in-flight token counts (atomically) and refresh their TTL."""
         key = self._key("inflight", self.router_id)

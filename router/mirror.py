@@ -23,7 +23,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 
@@ -108,6 +108,9 @@ class BlockMirror:
         self.sets: dict[str, MirroredSet] = {}
         # Other routers' predicted entries: replica -> hash -> expiry (monotonic seconds).
         self.predicted: dict[str, dict[bytes, float]] = {}
+        # Called with (replica id, hashes) when a replica announces blocks it now holds, after
+        # the set has them: the router drops its own predictions of them (router/routing.py).
+        self.on_added: Callable[[str, Sequence[bytes]], None] | None = None
         self.cursor = b"0-0"  # the last stream id read
         self.marker: bytes | None = None
         self.ready = False  # in sync since the last full re-read (false while Redis is away)
@@ -215,6 +218,15 @@ class BlockMirror:
         mirrored.blocks.difference_update(event.removed)
         mirrored.blocks.update(event.added)
         mirrored.seq = event.seq
+        if event.added:
+            # Held now: from here on the set says whether the replica still holds them, so a
+            # prediction of them would only outlive an eviction (a stale promise).
+            entries = self.predicted.get(rid)
+            if entries:
+                for h in event.added:
+                    entries.pop(h, None)
+            if self.on_added is not None:
+                self.on_added(rid, event.added)
 
     # -- the periodic check -------------------------------------------------------------------
 

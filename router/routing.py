@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
@@ -83,6 +83,8 @@ class RoutePlan:
     # fetch_source): sent along so the chosen replica may fetch them instead of prefilling.
     fetch_hint: pb.FetchHint | None = None
     unaccounted: Bookkeeping | None = None  # what Router.account still has to do
+    # Blocks predicted on the chosen replica for this request (Router.settle shortens them).
+    predicted: list[BlockHash] = field(default_factory=list)
 
     @property
     def awaiting_prefill(self) -> bool:
@@ -138,6 +140,7 @@ class Router:
                 config.redis, config.namespace, self.router_id, config.redis_timeout_s
             )
             self.index = MirrorIndex(self.redis, self.mirror, *index_args)
+            self.mirror.on_added = self._announced
         else:
             self.index = PrefixIndex(self.redis, *index_args)
         self.policy = self.make_policy(config.policy)
@@ -147,7 +150,10 @@ class Router:
         # Plans still waiting for their first token, with the blocks predicted for them: their
         # predicted entries are renewed until then, so a burst behind a long queue stays
         # together however long it waits (a fixed TTL would scatter it).
-        self._awaiting: list[tuple[RoutePlan, list[BlockHash]]] = []
+        self._awaiting: list[RoutePlan] = []
+        # Predicted blocks of requests that have had their first token (or ended), per replica,
+        # waiting for flush_settled to shorten their entries in Redis too.
+        self._settled: dict[str, list[BlockHash]] = {}
         self.redis_ok = False
         # Predicted entries this router wrote, checked locally so that its own next request
         # sees them even before the write reaches Redis: replica -> hash -> expiry (monotonic).
@@ -178,6 +184,7 @@ class Router:
         self._tasks = [
             loop.create_task(self._every(every, self.refresh)),
             loop.create_task(self._every(self.config.inflight_flush_s, self.flush_inflight)),
+            loop.create_task(self._every(self.config.inflight_flush_s, self.flush_settled)),
             loop.create_task(
                 self._every(self.config.predicted_ttl_ms / 2000, self.renew_predicted)
             ),
@@ -244,21 +251,64 @@ class Router:
 
     async def renew_predicted(self) -> None:
         """Extend the predicted entries of requests that have not had their first token."""
-        live = [(p, h) for p, h in self._awaiting if p.awaiting_prefill]
+        live = [p for p in self._awaiting if p.awaiting_prefill and p.predicted]
         self._awaiting = live
         if not live:
             return
         expiry = time.monotonic() + self.config.predicted_ttl_ms / 1000
         by_replica: dict[str, list[BlockHash]] = {}
-        for plan, hashes in live:
+        for plan in live:
             rid = plan.handle.replica_id
             entries = self._predicted.setdefault(rid, {})
-            for h in hashes:
+            if self.mirror is not None:  # not the blocks the replica has announced since
+                plan.predicted = [h for h in plan.predicted if h in entries]
+            for h in plan.predicted:
                 entries[h] = max(entries.get(h, 0.0), expiry)
-            by_replica.setdefault(rid, []).extend(hashes)
+            by_replica.setdefault(rid, []).extend(plan.predicted)
         if self.redis_ok:
             for rid, hashes in by_replica.items():
                 await self._record(rid, hashes)
+
+    def _announced(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
+        """The mirror saw ``replica_id`` announce ``hashes``: its set says from now on whether
+        the replica still holds them, so their predicted entries go."""
+        entries = self._predicted.get(replica_id)
+        if entries:
+            for h in hashes:
+                entries.pop(h, None)
+
+    def settle(self, plan: RoutePlan) -> None:
+        """The replica has prefilled ``plan``'s prompt (its first token came), or the request
+        ended: the replica's own KV events say which of the predicted blocks it holds (the
+        mirror drops each entry as its block is announced), so what is left stays only
+        ``--predicted-settle-ms`` more, time for the last events to reach the map. A prediction
+        that outlived them would keep promising blocks the replica has since evicted: stale
+        hits. Idempotent; cheap when nothing is predicted."""
+        hashes = plan.predicted
+        if not hashes:
+            return
+        plan.predicted = []
+        rid = plan.handle.replica_id
+        entries = self._predicted.get(rid)
+        if entries:
+            deadline = time.monotonic() + self.config.predicted_settle_ms / 1000
+            for h in hashes:
+                if entries.get(h, 0.0) > deadline:
+                    entries[h] = deadline
+        if self.redis_ok:
+            self._settled.setdefault(rid, []).extend(hashes)
+
+    async def flush_settled(self) -> None:
+        """Shorten, in Redis, the predicted entries ``settle`` shortened here (for other
+        routers, and for the Redis lookup)."""
+        settled, self._settled = self._settled, {}
+        if not settled or not self.redis_ok:
+            return
+        try:
+            for rid, hashes in settled.items():
+                await self.index.settle_predicted(rid, hashes, self.config.predicted_settle_ms)
+        except (RedisError, OSError) as exc:
+            self._set_redis(False, exc)
 
     def _prune_predicted(self) -> None:
         now = time.monotonic()
@@ -330,8 +380,9 @@ class Router:
             decode_tokens=decode,
             held_tokens=decision.weight_tokens,
         )
-        if new:  # renewed until the first token (renew_predicted)
-            self._awaiting.append((plan, new))
+        if new:  # renewed until the first token (renew_predicted), then settled
+            plan.predicted = new
+            self._awaiting.append(plan)
         plan.fetch_hint = self._fetch_hint(candidates, chosen)
         # The most another replica matches: the deepest, unless only the chosen one has it.
         promised = decision.matched_blocks  # the chosen one's (policy.decide)

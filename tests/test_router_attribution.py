@@ -127,3 +127,37 @@ def test_loadtest_report_prints_each_kind(kind: str) -> None:
 
     line = misses_line({kind: 3, "hit": 1, "cacheable": 4})
     assert f"{kind} 3 (75.0%)" in line and "hit 1 (25.0%)" in line
+
+
+def test_a_prefilled_requests_predictions_do_not_outlive_its_blocks(redis_server: str) -> None:
+    """The router predicts a new prefix's blocks on the replica it sends it to. Once the replica
+    has answered, its own KV events are the truth: if it then evicts the blocks, the next
+    request with that prefix counts them as evicted, not as a stale promise (which a
+    prediction living its whole TTL, 5 s by default, made of them)."""
+
+    async def scenario() -> None:
+        async with cluster(redis_server) as c:
+            ns = layout.DEFAULT_NAMESPACE
+            prefix = [3000 + i for i in range(32)]
+            first = (await c.generate(prefix + [1]))[-1]
+            holder = c.by_address()[first.replica_id]
+            rid = holder.replica_id
+            settle = c.router.router.config.predicted_settle_ms / 1000
+            assert settle <= 1
+            # The replica evicts the prefix (its set in Redis emptied; the mirror re-reads it).
+            holder.cached.clear()
+            await c.router.router.redis.delete(layout.blocks_key(rid, ns))
+            mirror = c.router.router.mirror
+            for _ in range(100):
+                if mirror is None or not mirror.blocks(rid):
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(settle + 0.3)  # the settle time, and a flush to Redis
+            before = dict((await c.cluster.ListReplicas(pb.Empty())).routing.misses)
+            again = (await c.generate(prefix + [2]))[-1]
+            assert again.usage.cached_tokens == 0
+            after = dict((await c.cluster.ListReplicas(pb.Empty())).routing.misses)
+            delta = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+            assert delta == {"evicted": 8, "cacheable": 8}
+
+    asyncio.run(scenario())

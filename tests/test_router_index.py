@@ -98,6 +98,39 @@ def test_predicted_entries_extend_the_match_and_expire(redis_server: str) -> Non
     assert size == 0  # expired entries are cleaned up, not just ignored
 
 
+def test_settling_shortens_recorded_predictions_and_nothing_else(redis_server: str) -> None:
+    """Once a request is prefilled its predicted entries are cut to the settle time: only
+    entries that exist, and never lengthened."""
+    r = redis.Redis.from_url(redis_server)
+    hashes = block_hashes(list(range(40)), BS, MODEL)
+    write_replica(r, "a", hashes[:2])
+    key = f"{NS}:router:predicted:a"
+
+    async def scenario() -> tuple[int, int, float, float, object]:
+        client = aioredis.Redis.from_url(redis_server)
+        index = PrefixIndex(client, NS, "r1", predicted_ttl_ms=5000)
+        await index.record_predicted("a", hashes[:7])
+        await index.settle_predicted("a", hashes[4:6], 100)
+        await index.settle_predicted("a", [hashes[9]], 100)  # never predicted: not added
+        at = time.time() * 1000
+        await index.settle_predicted("a", [hashes[5]], 60_000)  # longer: left as it was
+        during = (await index.lookup([HashGroup(MODEL, BS, hashes)]))[0]
+        await asyncio.sleep(0.25)
+        after = (await index.lookup([HashGroup(MODEL, BS, hashes)]))[0]
+        kept = await client.zscore(key, hashes[6])  # not settled: still the full TTL
+        short = await client.zscore(key, hashes[5])
+        absent = await client.zscore(key, hashes[9])
+        await client.aclose()
+        return during.predicted_blocks, after.predicted_blocks, kept - at, short, absent
+
+    during, after, kept_ms, short, absent = run(scenario())
+    assert during == 7
+    assert after == 4  # the leading run stops at the first settled (and expired) entry
+    assert kept_ms > 4000
+    assert short is None  # expired and cleaned up by the lookup, not lengthened to 60 s
+    assert absent is None
+
+
 def test_inflight_tokens_are_shared_between_routers_and_vanish_with_a_router(
     redis_server: str,
 ) -> None:

@@ -269,6 +269,33 @@ def test_two_routers_agree_on_the_map_and_see_each_others_predictions(redis_serv
             assert [(m.cached_blocks, m.predicted_blocks) for m in matches] == [(0, 4)]
             (own,) = await a.index.lookup(group)  # a keeps its own in the router's table
             assert own.predicted_blocks == 0
+            # a's request is prefilled: a settles the entries, and b drops them soon after.
+            await a.index.settle_predicted(RID, new, 50)
+            deadline = time.monotonic() + 5
+            while True:
+                matches = await b.index.lookup(group)
+                if matches and matches[0].predicted_blocks == 0 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+            assert [(m.cached_blocks, m.predicted_blocks) for m in matches] == [(0, 0)]
+            # A prediction goes as soon as the replica announces its block: when the replica
+            # evicts the block later, b's map no longer promises it (a stale hit).
+            later = [h(600 + i) for i in range(4)]
+            await a.index.record_predicted(RID, later)
+            group = [HashGroup(MODEL, BS, later)]
+            for _ in range(250):
+                if b.mirror.predicted.get(RID, {}).get(later[3]):
+                    break
+                await asyncio.sleep(0.02)
+            hs.engine.change(later[:2], [])
+            await converged(redis_server, b.mirror, hs.engine.state())
+            assert set(later[:2]).isdisjoint(b.mirror.predicted[RID])
+            ((m,),) = [await b.index.lookup(group)]
+            assert (m.cached_blocks, m.predicted_blocks) == (2, 4)
+            hs.engine.change([], later[:2])  # evicted
+            await converged(redis_server, b.mirror, hs.engine.state())
+            ((m,),) = [await b.index.lookup(group)]
+            assert (m.cached_blocks, m.predicted_blocks) == (0, 0)
 
     try:
         asyncio.run(scenario())

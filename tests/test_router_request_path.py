@@ -183,3 +183,34 @@ def test_route_in_one_pass_decides_as_separate_passes_over_the_candidates() -> N
                     assert plan.fetch_hint.num_blocks == source.cached_blocks
 
     asyncio.run(scenario())
+
+
+def test_predictions_end_when_announced_or_settled() -> None:
+    """A predicted entry says "the replica is computing this block". It goes when the mirror
+    sees the replica announce the block, and what is left is cut to the settle time once the
+    request has its first token (and queued for the same cut in Redis), once."""
+    import time
+
+    from router.config import RouterConfig
+    from router.discovery import Lease, ReplicaHandle
+    from router.routing import RoutePlan, Router
+
+    router = Router(RouterConfig(redis="redis://127.0.0.1:1/0", predicted_settle_ms=200))
+    assert router.mirror is not None
+    hashes = block_hashes(list(range(16)), 4, "m")
+    far = time.monotonic() + 60
+    router._predicted["r0"] = dict.fromkeys(hashes, far)
+    router.mirror.on_added("r0", hashes[:1])  # the replica announced its first block
+    assert list(router._predicted["r0"]) == hashes[1:]
+
+    handle = ReplicaHandle("r0", Lease(address="a", model="m", block_size=4), None, None, None)  # type: ignore[arg-type]
+    plan = RoutePlan(handle=handle, decision=None, prompt_ids=None, decode_tokens=1)  # type: ignore[arg-type]
+    plan.predicted = hashes[1:3]  # this request's; hashes[3] is another request's
+    router.redis_ok = True
+    router.settle(plan)
+    deadline = time.monotonic() + 0.2
+    entries = router._predicted["r0"]
+    assert max(entries[h] for h in hashes[1:3]) <= deadline and entries[hashes[3]] == far
+    assert plan.predicted == [] and router._settled == {"r0": hashes[1:3]}
+    router.settle(plan)  # once
+    assert router._settled == {"r0": hashes[1:3]}
