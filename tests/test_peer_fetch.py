@@ -147,9 +147,20 @@ def test_fetched_prefix_gives_the_cold_output(tiny_model_dir, dtype):
     asyncio.run(go())
 
 
-def test_fetch_blocks_streams_the_held_prefix_pinned(tiny_model_dir):
+def test_fetch_blocks_streams_the_held_prefix_pinned(tiny_model_dir, monkeypatch):
+    pinned_while_read: list[int] = []
+
     async def go() -> None:
         async with replicas(tiny_model_dir, count=1) as (a,):
+            read = block_service.read_blocks
+
+            def read_pinned(kv_caches, blocks):  # what is pinned while the KV is read
+                pinned_while_read.append(a.engine.num_pinned_blocks)
+                return read(kv_caches, blocks)
+
+            # Checked inside the read, not after the client's first message: gRPC may have
+            # sent every block, and the server unpinned them, before the client reads one.
+            monkeypatch.setattr(block_service, "read_blocks", read_pinned)
             ids = prompt(100)
             await a.generate(ids)
             longer = ids + prompt(40, seed=9)  # the holder has 6 of its 8 blocks
@@ -159,7 +170,7 @@ def test_fetch_blocks_streams_the_held_prefix_pinned(tiny_model_dir):
             first = await call.read()
             assert list(first.token_ids) == ids[:BS]
             assert len(first.keys) == len(first.values) == 2  # the tiny model's layers
-            assert a.engine.num_pinned_blocks == 6
+            assert pinned_while_read == [6]
             rest = []
             while (msg := await call.read()) is not grpc.aio.EOF:
                 rest.append(msg)
@@ -260,7 +271,10 @@ def test_source_failing_mid_fetch_falls_back_to_prefill(tiny_model_dir, monkeypa
             assert out == expected
             assert 0 < usage.fetched_tokens < 96, usage  # what arrived is kept
             assert usage.cached_tokens == usage.fetched_tokens
-            await asyncio.sleep(0.2)
+            for _ in range(100):  # the unpin is posted to the engine thread (bounded: 10 s)
+                if a.engine.num_pinned_blocks == 0:
+                    break
+                await asyncio.sleep(0.1)
             assert a.engine.num_pinned_blocks == 0
             # A holder that is not there at all: prefilled, same output, no error.
             await b.server.loop.call(lambda e: e.reset_prefix_cache())
