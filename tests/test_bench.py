@@ -165,6 +165,33 @@ def test_breakdown_parts_add_up_to_the_step(tiny_model_dir):
     engine.check_integrity()
 
 
+def test_profile_bench_names_our_kernels_in_the_profilers_table(tiny_model_dir, capsys):
+    """Our kernels are pybind calls the profiler cannot see by themselves: ``bench profile``
+    runs each inside a range named after it while it records, and puts the engine back after."""
+    assert bench.main(["profile", "--model", str(tiny_model_dir), "--dtype", "float32",
+                       "--num-prompts", "3", "--input-len", "20", "--steps", "2",
+                       "--profiled-steps", "2", "--rows", "200"]) == 0  # fmt: skip
+    table = capsys.readouterr().out.split("torch.profiler", 1)[1]
+    for name in ("linear", "lm_head", "attention"):
+        assert f" {name} " in table, name
+    from kernels import cpu_ops
+
+    if cpu_ops.load() is not None:
+        assert "cpu_ops.add_rms_norm" in table and "cpu_ops.silu_and_mul" in table
+
+    from replica import LLM
+    from replica.bench.profile import kernel_ranges
+
+    engine = LLM(str(tiny_model_dir), dtype="float32").engine
+    model = engine.runner.model
+    linear, ops = model.linear, model.ops
+    with kernel_ranges(engine):
+        assert model.linear is not linear and "attend" in vars(model.attention)
+        if ops is not None:  # the C++ kernels built here: each one gets its own range
+            assert model.ops.rms_norm is model.ops.rms_norm  # wrapped once
+    assert model.linear is linear and model.ops is ops and "attend" not in vars(model.attention)
+
+
 def test_prefill_bench_alternates_kernel_rows_and_sdpa(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "prefill.json"
     argv = ["prefill", "--model", str(tiny_model_dir), "--dtype", "float32",
