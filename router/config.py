@@ -60,7 +60,7 @@ class RouterConfig:
     balance_window: int = 256
     tie_tokens: int = 32
     prefill_weight: float = 8.0
-    fetch_weight: str = "auto"
+    fetch_weight: str = "off"
     predicted_ttl_ms: int = 5000
     predicted_settle_ms: int = 1000
     default_max_tokens: int = DEFAULT_MAX_TOKENS

@@ -285,6 +285,30 @@ def test_source_failing_mid_fetch_falls_back_to_prefill(tiny_model_dir, monkeypa
     asyncio.run(go())
 
 
+def test_a_fetch_that_times_out_makes_fetching_cost_more(tiny_model_dir, monkeypatch):
+    """A holder too busy to answer in time (here: its read takes 3 s; the deadline is twice the
+    prefill it saves, 1.9 s) costs the asker that time for nothing: its measured transfer
+    speed, and so the fetch cost its lease tells routers, go up. The request is prefilled."""
+    read = block_service.read_blocks
+
+    def slow_read(kv_caches, blocks):
+        time.sleep(3.0)
+        return read(kv_caches, blocks)
+
+    monkeypatch.setattr(block_service, "read_blocks", slow_read)
+
+    async def go() -> None:
+        async with replicas(tiny_model_dir, count=2) as (a, b):
+            ids = prompt(100)
+            expected, _ = await a.generate(ids)
+            before = float(b.server._load_fields()["fetch_cost"])
+            out, usage = await b.generate(ids, fetch_hint=a.hint(6))
+            assert out == expected and usage.fetched_tokens == 0 and usage.cached_tokens == 0
+            assert float(b.server._load_fields()["fetch_cost"]) > 1.3 * before
+
+    asyncio.run(go())
+
+
 def test_fetch_found_through_redis(tiny_model_dir, redis_server):
     async def go() -> None:
         async with replicas(tiny_model_dir, redis=redis_server, namespace="fetch") as (a, b):

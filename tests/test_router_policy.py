@@ -319,7 +319,7 @@ def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
 
 
 def test_auto_fetch_weight_is_each_replicas_measured_fetch_cost() -> None:
-    # --fetch-weight auto (the router's default): a held-elsewhere token costs the prefill
+    # --fetch-weight auto: a held-elsewhere token costs the prefill
     # weight times the fetch_cost the replica's lease publishes (capped at a full prefill); a
     # replica that does not fetch (no fetch_cost) pays a full prefill.
     warm, request = cand("warm", cached=63, inflight=3000), req(1024)

@@ -78,9 +78,16 @@ class FetchCost:
         return bytes_per_token / self.bytes_per_s * self.prefill_tokens_per_s
 
     def record_transfer(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes > 0 and seconds > 0:
+        """A transfer that moved ``num_bytes`` in ``seconds``. One that timed out counts too,
+        with the bytes that did arrive (maybe none): a peer too busy to answer in time (its
+        engine thread in a long prefill step) makes fetching cost more here, and routers see it
+        in the lease's fetch cost."""
+        if num_bytes >= 0 and seconds > 0:
             w = self.weight
-            self.bytes_per_s = (1 - w) * self.bytes_per_s + w * num_bytes / seconds
+            rate = max(num_bytes / seconds, self.MIN_BYTES_PER_S)
+            self.bytes_per_s = (1 - w) * self.bytes_per_s + w * rate
+
+    MIN_BYTES_PER_S = 1.0  # a floor, so that costs stay finite after many failures
 
     def record_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
@@ -240,7 +247,7 @@ class PeerFetcher:
         fetched = await self.insert(blocks)
         seconds = time.monotonic() - started
         num_bytes = len(blocks) * self.bytes_per_block
-        if outcome == "fetched":
+        if outcome in ("fetched", "timeout"):
             self.cost.record_transfer(num_bytes, seconds)
         self.last_transfer = (num_bytes, seconds)
         self.fetched_tokens += fetched * bs
