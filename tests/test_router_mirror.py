@@ -246,6 +246,17 @@ def test_redis_restart_and_replica_resync_reach_the_mirror() -> None:
         server.stop()
 
 
+async def lookup_until(index, group: list[HashGroup], predicted: int) -> list:
+    """``index``'s lookup once it shows ``predicted`` blocks, or after 5 s. Empty while the
+    router's listing of live replicas lags the lease (a loaded machine)."""
+    deadline = time.monotonic() + 5
+    while True:
+        matches = await index.lookup(group)
+        if matches and matches[0].predicted_blocks == predicted or time.monotonic() > deadline:
+            return matches
+        await asyncio.sleep(0.02)
+
+
 def test_two_routers_agree_on_the_map_and_see_each_others_predictions(redis_server: str) -> None:
     hs = Harness(redis_server)
 
@@ -259,24 +270,13 @@ def test_two_routers_agree_on_the_map_and_see_each_others_predictions(redis_serv
             new = [h(500 + i) for i in range(4)]
             await a.index.record_predicted(RID, new)
             group = [HashGroup(MODEL, BS, new)]
-            deadline = time.monotonic() + 5
-            while True:
-                # Empty while b's listing of live replicas lags the lease (a loaded machine).
-                matches = await b.index.lookup(group)
-                if matches and matches[0].predicted_blocks == 4 or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.02)
+            matches = await lookup_until(b.index, group, predicted=4)
             assert [(m.cached_blocks, m.predicted_blocks) for m in matches] == [(0, 4)]
             (own,) = await a.index.lookup(group)  # a keeps its own in the router's table
             assert own.predicted_blocks == 0
             # a's request is prefilled: a settles the entries, and b drops them soon after.
             await a.index.settle_predicted(RID, new, 50)
-            deadline = time.monotonic() + 5
-            while True:
-                matches = await b.index.lookup(group)
-                if matches and matches[0].predicted_blocks == 0 or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.02)
+            matches = await lookup_until(b.index, group, predicted=0)
             assert [(m.cached_blocks, m.predicted_blocks) for m in matches] == [(0, 0)]
             # A prediction goes as soon as the replica announces its block: when the replica
             # evicts the block later, b's map no longer promises it (a stale hit).
@@ -290,11 +290,11 @@ def test_two_routers_agree_on_the_map_and_see_each_others_predictions(redis_serv
             hs.engine.change(later[:2], [])
             await converged(redis_server, b.mirror, hs.engine.state())
             assert set(later[:2]).isdisjoint(b.mirror.predicted[RID])
-            ((m,),) = [await b.index.lookup(group)]
+            (m,) = await b.index.lookup(group)
             assert (m.cached_blocks, m.predicted_blocks) == (2, 4)
             hs.engine.change([], later[:2])  # evicted
             await converged(redis_server, b.mirror, hs.engine.state())
-            ((m,),) = [await b.index.lookup(group)]
+            (m,) = await b.index.lookup(group)
             assert (m.cached_blocks, m.predicted_blocks) == (0, 0)
 
     try:
