@@ -182,8 +182,7 @@ class Forwarder:
             try:
                 async for resp in call:
                     ttft = None if progress.streamed else self._first(progress, ticket, arrival)
-                    plan.settle_prefill()
-                    self.router.settle(plan)
+                    self.router.prefilled(plan)
                     msg = self._observe(resp, attempt, progress, prompt_ids)
                     try:
                         await write(msg)
@@ -223,8 +222,7 @@ class Forwarder:
                     await write(msg)
                 queue[:0] = resumes
             finally:
-                plan.release()
-                self.router.settle(plan)
+                self.router.finished(plan)
                 if not call.done():
                     call.cancel()
 
@@ -296,8 +294,7 @@ class Forwarder:
             ticket.queue_tokens(len(plan.prompt_ids or ()))
         except TenantBusy as exc:
             self.router.account(plan)
-            plan.release()
-            self.router.settle(plan)
+            self.router.finished(plan)
             self.metrics.error("RESOURCE_EXHAUSTED")
             await abort_busy(context, str(exc), self.limits.retry_after_s)
 

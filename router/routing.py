@@ -277,6 +277,16 @@ class Router:
             for h in hashes:
                 entries.pop(h, None)
 
+    def prefilled(self, plan: RoutePlan) -> None:
+        """A response came: the prompt is prefilled (``RoutePlan.settle_prefill``, ``settle``)."""
+        plan.settle_prefill()
+        self.settle(plan)
+
+    def finished(self, plan: RoutePlan) -> None:
+        """The attempt ended, however: its load goes (``RoutePlan.release``), and ``settle``."""
+        plan.release()
+        self.settle(plan)
+
     def settle(self, plan: RoutePlan) -> None:
         """The replica has prefilled ``plan``'s prompt (its first token came), or the request
         ended: the replica's own KV events say which of the predicted blocks it holds (the
