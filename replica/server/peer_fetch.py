@@ -56,6 +56,8 @@ class FetchConfig:
 class FetchCost:
     """Transfer and prefill speeds, as exponentially weighted averages of measurements."""
 
+    MIN_BYTES_PER_S = 1.0  # a floor, so that costs stay finite after many timed-out fetches
+
     def __init__(self, config: FetchConfig, weight: float = 0.3) -> None:
         self.bytes_per_s = config.bytes_per_s
         self.prefill_tokens_per_s = config.prefill_tokens_per_s
@@ -82,12 +84,10 @@ class FetchCost:
         with the bytes that did arrive (maybe none): a peer too busy to answer in time (its
         engine thread in a long prefill step) makes fetching cost more here, and routers see it
         in the lease's fetch cost."""
-        if num_bytes >= 0 and seconds > 0:
+        if seconds > 0:
             w = self.weight
             rate = max(num_bytes / seconds, self.MIN_BYTES_PER_S)
             self.bytes_per_s = (1 - w) * self.bytes_per_s + w * rate
-
-    MIN_BYTES_PER_S = 1.0  # a floor, so that costs stay finite after many failures
 
     def record_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
