@@ -16,7 +16,7 @@ transfer to a peer replica) holds the same KV until it is released. Changes to t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from prefixmesh.hashing import BlockHash
 
@@ -82,6 +82,18 @@ class BlockManager:
                 break
             blocks.append(block)
         return blocks
+
+    def prefix_length(self, hashes: Iterable[BlockHash], pending: Container = ()) -> int:
+        """How many leading ``hashes`` are cached or in ``pending`` (being computed now)."""
+        if not self.enable_prefix_caching:
+            return 0
+        held = self._hash_to_block
+        n = 0
+        for h in hashes:
+            if h not in held and h not in pending:
+                break
+            n += 1
+        return n
 
     def num_blocks_to_take(self, cached_blocks: list[int]) -> int:
         """How many of ``cached_blocks`` would leave the evictable pool if referenced now."""

@@ -470,10 +470,6 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         sched = self.scheduler
-        queued = 0
-        for seq in sched.running + sched.waiting:
-            queued += seq.num_tokens - seq.num_computed_tokens
-            queued += seq.request.params.max_tokens - seq.num_output_tokens
         bm = self.block_manager
         return EngineStats(
             running=len(sched.running),
@@ -482,7 +478,7 @@ class LLMEngine:
             num_blocks=bm.num_blocks,
             free_blocks=bm.num_free_blocks,
             cached_blocks=bm.num_cached_blocks,
-            queued_tokens=queued,
+            queued_tokens=sched.outstanding_tokens(),
             prefix_cache_queries=sched.stats.prefix_cache_queries,
             prefix_cache_hits=sched.stats.prefix_cache_hits,
             preemptions=sched.stats.preemptions,

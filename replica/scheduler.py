@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from itertools import islice
 
 from prefixmesh.hashing import extend_block_hashes
 from replica.block_manager import BlockManager, HostBlockPool
@@ -329,6 +330,33 @@ class Scheduler:
             self.update_block_hashes(seq)
             blocks.update(seq.block_hashes[seq.num_hashed_blocks : seq.num_prompt_tokens // bs])
         return blocks
+
+    def outstanding_tokens(self) -> int:
+        """Tokens still to compute over every queued sequence: prompt tokens to prefill plus
+        tokens to decode. A waiting sequence's leading blocks that are cached, or that a
+        running sequence is prefilling now, are left out: once admitted it reuses them.
+        Routers read this as the replica's load; counted whole, a burst of requests waiting
+        on the prefix their first request is prefilling would look like a queue of whole
+        prompts, and push the rest of the burst off its warm replica."""
+        total = 0
+        for seq in self.running:
+            total += seq.num_tokens - seq.num_computed_tokens
+            total += seq.request.params.max_tokens - seq.num_output_tokens
+        if not self.waiting:
+            return total
+        inflight = self._inflight_blocks(self.running)
+        for seq in self.waiting:
+            reused = self._reusable_blocks(seq, inflight) * self.block_size
+            total += seq.num_tokens - max(seq.num_computed_tokens, reused)
+            total += seq.request.params.max_tokens - seq.num_output_tokens
+        return total
+
+    def _reusable_blocks(self, seq: Sequence, inflight: set) -> int:
+        """Leading blocks of ``seq`` that are cached or being prefilled by a running sequence."""
+        cacheable = self._cacheable(seq)
+        if len(seq.block_hashes) < cacheable:
+            self.update_block_hashes(seq)
+        return self.bm.prefix_length(islice(seq.block_hashes, cacheable), inflight)
 
     def _prefix_in_flight(self, seq: Sequence, inflight: set) -> bool:
         """Whether ``seq``'s first block past its cached prefix is one a running sequence is

@@ -483,6 +483,29 @@ def test_a_burst_sharing_a_prefix_computes_it_once(tiny_model_dir):
     assert results[False][1] == [0, 0, 96, 96]
 
 
+def test_queued_tokens_leave_out_what_a_waiting_request_will_reuse(tiny_model_dir):
+    # Routers read queued_tokens as the replica's load. A request waiting on a prefix that is
+    # cached, or that a running request is prefilling, owes only the rest of its prompt.
+    rng = random.Random(14)
+    shared = [rng.randrange(5, 400) for _ in range(96)]
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=64)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    engine.add_request("leader", shared + [1, 2, 3], params)
+    engine.add_request("follower", shared + [7, 8, 9], params)
+    engine.add_request("other", [rng.randrange(5, 400) for _ in range(20)], params)
+    engine.step()  # the leader's first 64 tokens (4 blocks cached, the next 2 in flight)
+    assert [s.request.request_id for s in engine.scheduler.running] == ["leader"]
+    leader, follower, other = 99 - 64 + 5, 99 - 96 + 5, 20 + 5
+    assert engine.get_stats().queued_tokens == leader + follower + other
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    engine.check_integrity()
+    assert engine.get_stats().queued_tokens == 0
+
+
 def test_a_request_waiting_on_a_prefix_goes_ahead_when_its_leader_is_aborted(tiny_model_dir):
     rng = random.Random(13)
     shared = [rng.randrange(5, 400) for _ in range(96)]
