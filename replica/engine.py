@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +155,10 @@ class LLMEngine:
         self._finished_by_reason: dict[str, int] = {}
         self._pins: dict[int, list[int]] = {}  # blocks held for transfers to peers
         self._pin_ids = itertools.count()
+        # Wraps each step's model forward. The server's engine thread sets it to release the
+        # lock it holds on the engine's bookkeeping, so short calls (a peer pinning blocks)
+        # run during the forward instead of waiting out the step (EngineLoop.call_now).
+        self.during_forward: Callable[[], AbstractContextManager[object]] = nullcontext
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -284,7 +289,8 @@ class LLMEngine:
             if not request.scheduled:
                 request.scheduled = True
                 self._newly_scheduled.append(request.request_id)
-        logits, sample_idx = self.runner.execute(sched)
+        with self.during_forward():  # reads block tables only: the pool may change meanwhile
+            logits, sample_idx = self.runner.execute(sched)
         if sched.host_blocks_to_free:
             assert self.host_pool is not None
             self.host_pool.release(sched.host_blocks_to_free)

@@ -104,9 +104,9 @@ class BlockService:
         hashes = list(request.block_hashes)
         salt = request.cache_salt or None
         if request.any_order:  # warm start: whole chains of the wanted blocks, parents first
-            pinned = await self.loop.call(lambda e: e.pin_chains(hashes, salt, len(hashes)))
+            pinned = await self.loop.call_now(lambda e: e.pin_chains(hashes, salt, len(hashes)))
         else:
-            pinned = await self.loop.call(lambda e: e.pin_prefix(hashes, salt, request.start))
+            pinned = await self.loop.call_now(lambda e: e.pin_prefix(hashes, salt, request.start))
         try:
             for i in range(0, len(pinned.blocks), READ_CHUNK):
                 chunk = pinned.blocks[i : i + READ_CHUNK]

@@ -2,7 +2,10 @@
 
 The engine is not thread-safe and ``step()`` is long (a model forward), so one thread owns it:
 it applies commands (add, abort, calls) between steps, steps while there is work, and sleeps
-on a wakeup event when idle. Each step's outputs go back to the event loop in one
+on a wakeup event when idle. It holds a lock on the engine's bookkeeping except while idle and
+while a step runs the model, which reads only that step's block tables: ``call_now`` takes the
+lock from a worker thread, so a short call (a peer pinning blocks to read) need not wait out a
+prefill step of a second or more. Each step's outputs go back to the event loop in one
 ``call_soon_threadsafe`` and land in per-request ``asyncio.Queue``s, so the event loop never
 waits on the engine.
 """
@@ -12,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -68,6 +72,7 @@ class EngineLoop:
         self._stopping = False
         self._handles: dict[str, RequestHandle] = {}  # touched on the event loop only
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._lock = threading.Lock()  # the engine's bookkeeping: see the module docstring
         self.stats: EngineStats = engine.get_stats()
         self._stats_at = time.monotonic()
 
@@ -110,6 +115,25 @@ class EngineLoop:
         self._post(_Command(fn, future))
         return await asyncio.wrap_future(future, loop=self._loop)
 
+    async def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on a worker thread as soon as the engine thread is between
+        steps, idle or inside a step's model forward, and return its result. Only for short
+        calls on the block pool (pinning, unpinning): the forward reads its step's block
+        tables, which such calls leave alone, and must not see anything else change."""
+        return await asyncio.to_thread(self._locked, fn)
+
+    def _locked(self, fn: Callable[[LLMEngine], T]) -> T:
+        with self._lock:
+            return fn(self.engine)
+
+    @contextlib.contextmanager
+    def _released(self) -> Iterator[None]:
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread after its current step (in-flight requests are left as they are)."""
         self._stopping = True
@@ -142,22 +166,30 @@ class EngineLoop:
     # -- engine-thread side ---------------------------------------------------------------
 
     def _run(self) -> None:
+        self.engine.during_forward = self._released
+        try:
+            self._loop_until_stopped()
+        finally:
+            self.engine.during_forward = contextlib.nullcontext
+
+    def _loop_until_stopped(self) -> None:
         busy = False
         while not self._stopping:
-            try:
-                self._apply_commands()
-                if self.engine.has_unfinished_requests():
-                    busy = True
-                    self._step()
+            with self._lock:
+                try:
+                    self._apply_commands()
+                    if self.engine.has_unfinished_requests():
+                        busy = True
+                        self._step()
+                        continue
+                    if busy:
+                        busy = False
+                        self._check_integrity()
+                    self.stats = self.engine.get_stats()
+                except Exception as exc:  # the thread must outlive any engine bug
+                    log.exception("engine loop error; failing every in-flight request")
+                    self._recover(exc)
                     continue
-                if busy:
-                    busy = False
-                    self._check_integrity()
-                self.stats = self.engine.get_stats()
-            except Exception as exc:  # the thread must outlive any engine bug
-                log.exception("engine loop error; failing every in-flight request")
-                self._recover(exc)
-                continue
             self._wakeup.wait()
             self._wakeup.clear()
 
