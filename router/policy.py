@@ -12,7 +12,8 @@ Every policy sees the same inputs, built by the router from one Redis lookup:
 **Load measure** (``Candidate.load``): outstanding tokens on the replica, the larger of (a) the
 tokens routers have sent it and not seen finish (uncached prompt tokens + tokens to decode,
 summed over every router through Redis) and (b) the ``queued_tokens`` the replica itself
-reports (prompt tokens still to prefill plus tokens still to decode). (a) reacts at once to
+reports (prompt tokens still to prefill plus tokens still to decode, leaving out the blocks a
+waiting request will reuse). (a) reacts at once to
 routing decisions; (b) catches work routers don't know about. Warm requests weigh little (their
 prefix is not prefilled again), which is what lets a burst stay on its warm replica.
 
