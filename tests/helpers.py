@@ -260,3 +260,26 @@ def pair_modes() -> list[str]:
     if ops is None:
         return []
     return ["emulated", "pairs"] if ops.pairs_hardware() else ["emulated"]
+
+
+def blocks_held_by(src, dst, ids: list[int], salt: str | None = None):
+    """The blocks of prompt ``ids`` that engine ``src`` holds, as engine ``dst`` would receive
+    them from a peer (``FetchedBlocks``: pinned, read and unpinned as the servers do)."""
+    # Imported here, as make_tiny_model_dir does: the process tests' helpers need no torch.
+    from prefixmesh.hashing import block_hashes
+    from replica.kv_transfer import FetchedBlocks, layer_tensor, read_blocks
+
+    bs = src.block_manager.block_size
+    pinned = src.pin_prefix(block_hashes(ids, bs, src.model_id, salt), salt)
+    try:
+        data = read_blocks(src.runner.kv_caches, pinned.blocks)
+    finally:
+        src.unpin(pinned.pin_id)
+    mc = dst.model_config
+    shape = (bs, mc.num_kv_heads, mc.head_dim)
+    layers = range(mc.num_layers)
+    return FetchedBlocks(
+        pinned.hashes, pinned.token_ids,
+        [layer_tensor([keys[i] for keys, _ in data], dst.dtype, shape) for i in layers],
+        [layer_tensor([vals[i] for _, vals in data], dst.dtype, shape) for i in layers],
+    )  # fmt: skip

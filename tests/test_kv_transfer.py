@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
+from helpers import blocks_held_by
 
 from prefixmesh.hashing import block_hashes
 from replica import LLM, SamplingParams
-from replica.kv_transfer import FetchedBlocks, layer_tensor, read_blocks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 BS = 16
@@ -27,22 +27,7 @@ def prompt(n: int = 100, seed: int = 0) -> list[int]:
 
 def transfer(src: LLM, dst: LLM, ids: list[int], salt: str | None = None) -> int:
     """Copy the blocks of ``ids`` that ``src`` holds into ``dst`` (as the servers do)."""
-    src_engine, dst_engine = src.engine, dst.engine
-    hashes = block_hashes(ids, BS, src_engine.model_id, salt)
-    pinned = src_engine.pin_prefix(hashes, salt)
-    try:
-        data = read_blocks(src_engine.runner.kv_caches, pinned.blocks)
-    finally:
-        src_engine.unpin(pinned.pin_id)
-    mc = dst_engine.model_config
-    shape = (BS, mc.num_kv_heads, mc.head_dim)
-    layers = range(mc.num_layers)
-    fetched = FetchedBlocks(
-        pinned.hashes, pinned.token_ids,
-        [layer_tensor([keys[i] for keys, _ in data], dst_engine.dtype, shape) for i in layers],
-        [layer_tensor([vals[i] for _, vals in data], dst_engine.dtype, shape) for i in layers],
-    )  # fmt: skip
-    return dst_engine.import_blocks(fetched)
+    return dst.engine.import_blocks(blocks_held_by(src.engine, dst.engine, ids, salt))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

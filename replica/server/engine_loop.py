@@ -4,8 +4,9 @@ The engine is not thread-safe and ``step()`` is long (a model forward), so one t
 it applies commands (add, abort, calls) between steps, steps while there is work, and sleeps
 on a wakeup event when idle. It holds a lock on the engine's bookkeeping except while idle and
 while a step runs the model, which reads only that step's block tables: ``call_now`` takes the
-lock from a worker thread, so a short call (a peer pinning blocks to read) need not wait out a
-prefill step of a second or more. Each step's outputs go back to the event loop in one
+lock from a worker thread, so a short call on the block pool (a peer pinning blocks to read,
+fetched blocks going into the prefix cache) need not wait out a prefill step of a second or
+more. Each step's outputs go back to the event loop in one
 ``call_soon_threadsafe`` and land in per-request ``asyncio.Queue``s, so the event loop never
 waits on the engine.
 """
@@ -118,8 +119,9 @@ class EngineLoop:
     async def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on a worker thread as soon as the engine thread is between
         steps, idle or inside a step's model forward, and return its result. Only for short
-        calls on the block pool (pinning, unpinning): the forward reads its step's block
-        tables, which such calls leave alone, and must not see anything else change."""
+        calls on the block pool that leave the step's own blocks alone: pinning cached blocks,
+        or importing fetched ones into free or evicted blocks (the forward reads and writes
+        only blocks its sequences hold, which are never free or evictable)."""
         return await asyncio.to_thread(self._locked, fn)
 
     def _locked(self, fn: Callable[[LLMEngine], T]) -> T:

@@ -323,7 +323,9 @@ class PeerFetcher:
         except ValueError as exc:  # a holder with a different geometry under the same name
             log.warning("fetched blocks do not fit this replica: %s", exc)
             return 0
-        return await self.loop.call(lambda e: e.import_blocks(fetched))
+        # During the engine's forward if one is running: the request this fetch is for is
+        # submitted right after, so it joins the very next step instead of the one after.
+        return await self.loop.call_now(lambda e: e.import_blocks(fetched))
 
     def _tensors(self, blocks: list[pb.KVBlock]) -> FetchedBlocks:
         shape, dtype = self.block_shape, self.dtype
