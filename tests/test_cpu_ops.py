@@ -14,6 +14,7 @@ import random
 import subprocess
 import sysconfig
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -571,3 +572,88 @@ def test_argmax_rows_is_torchs_argmax(isa, dtype, vocab):
     x[4] = float("-inf")
     x[5] = 0.0
     assert _ops(isa).argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+# --------------------------------------------------------------------------- the GIL
+def _wakeups_during(call) -> tuple[int, float]:
+    """How often a thread that sleeps 5 ms at a time woke up and ran Python while ``call()``
+    ran, and how long it ran. Holding the GIL, a call lets it run at most once (between the
+    reads of the count around the call); without it, about once per 5 ms."""
+    count, stop = 0, threading.Event()
+
+    def tick() -> None:
+        nonlocal count
+        while not stop.is_set():
+            time.sleep(0.005)
+            count += 1
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        before, started = count, time.perf_counter()
+        call()
+        seconds, after = time.perf_counter() - started, count
+    finally:
+        stop.set()
+        thread.join()
+    return after - before, seconds
+
+
+def _long_call(make, min_seconds: float = 0.25):
+    """``make(scale)`` for the first scale of 1, 2, 4, ... whose call takes ``min_seconds``."""
+    for scale in (1, 2, 4, 8, 16, 32, 64):
+        call = make(scale)
+        started = time.perf_counter()
+        call()
+        if time.perf_counter() - started >= min_seconds:
+            return call
+    pytest.fail("no call took long enough to measure")
+
+
+def _gemm(ops, kind: str, scale: int):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 1024, generator=gen)
+    x = torch.randn(512 * scale, 1024, generator=gen)
+    if kind == "pairs_linear":  # the emulation: every build and CPU has it
+        packed = ops.pack_pairs(weight.bfloat16())
+        return lambda: ops.pairs_linear(x.bfloat16(), packed, None, True)
+    packed = ops.pack_panels(weight)
+    return lambda: ops.panels_linear(x, packed, None)
+
+
+def _attention(ops, kind: str, scale: int):
+    # SmolLM2's heads (9 on 3 KV heads of 64) over 2,048 cached tokens in 16-token blocks;
+    # decode: 128 x scale sequences sharing those blocks; prefill: one prompt of 512 x scale.
+    gen = torch.Generator().manual_seed(0)
+    tokens = 2048 if kind == "paged_decode" else 512 * scale
+    blocks = tokens // 16
+    k_cache = torch.randn(blocks, 16, 3, 64, generator=gen)
+    v_cache = torch.randn(blocks, 16, 3, 64, generator=gen)
+    if kind == "paged_decode":
+        seqs = 128 * scale
+        query = torch.randn(seqs, 9, 64, generator=gen)
+        tables = torch.arange(blocks, dtype=torch.int32).repeat(seqs, 1)
+        lens = torch.full((seqs,), tokens, dtype=torch.int32)
+        return lambda: ops.paged_decode(query, k_cache, v_cache, tables, lens, 0.125)
+    query = torch.randn(tokens, 9, 64, generator=gen)
+    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([tokens], dtype=torch.int32)
+    return lambda: ops.paged_prefill(query, k_cache, v_cache, tables, starts, lens, 0.125)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("kind", ["pairs_linear", "panels_linear", "paged_decode", "paged_prefill"])
+def test_the_long_kernels_let_other_threads_run(isa, kind):
+    """A replica's event loop (gRPC, a peer's block fetch, the Redis lease) shares the process
+    with the engine's step: a GEMM or attention call of tens of ms must not hold the GIL."""
+    ops = _ops(isa)
+    build = _gemm if kind.endswith("linear") else _attention
+    wakeups, seconds = _wakeups_during(_long_call(lambda scale: build(ops, kind, scale)))
+    assert wakeups >= 5, f"{kind}: {wakeups} wakeups in {seconds:.2f} s"
+    # The control: a C call that holds the GIL (sorting floats runs no bytecode) lets the
+    # sleeping thread run at most twice, however long it takes.
+    numbers = [random.random() for _ in range(2_000_000)]
+    wakeups, seconds = _wakeups_during(lambda: sorted(numbers))
+    assert wakeups <= 2, f"sorted: {wakeups} wakeups in {seconds:.2f} s"

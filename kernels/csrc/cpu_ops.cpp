@@ -1296,9 +1296,16 @@ at::Tensor pack_panels(at::Tensor weight);
 at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
 }  // namespace pm
 
+// The attention kernels and the GEMMs run without the GIL, as torch's own ops do: a step's
+// prefill GEMM takes tens of ms, and a replica's event loop (gRPC, a peer's block fetch, the
+// Redis lease) must not wait for it. They touch no Python object. The elementwise kernels
+// take microseconds and keep it (releasing it costs about as much).
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention");
-  m.def("paged_prefill", &paged_prefill, "paged attention of a step with prefills (causal)");
+  m.def("paged_decode", &paged_decode, "paged decode attention", NoGil());
+  m.def("paged_prefill", &paged_prefill, "paged attention of a step with prefills (causal)",
+        NoGil());
   m.def("read_kv_once", &read_kv_once, "one read of the keys and values (benchmark floor)");
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
@@ -1316,9 +1323,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_pairs", &pm::pack_pairs, "a bfloat16 [out, in] weight packed for pairs_linear");
   m.def("pairs_linear", &pm::pairs_linear, "x @ weight.T (+ bias) on a pair-packed weight",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
-        py::arg("emulate") = false);
+        py::arg("emulate") = false, NoGil());
   m.def("panel_width", &pm::panel_width, "float32 output features per panel in this build");
   m.def("pack_panels", &pm::pack_panels, "a float32 [out, in] weight packed for panels_linear");
   m.def("panels_linear", &pm::panels_linear, "x @ weight.T (+ bias) on a panel-packed weight",
-        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), NoGil());
 }
