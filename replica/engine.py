@@ -156,8 +156,9 @@ class LLMEngine:
         self._pins: dict[int, list[int]] = {}  # blocks held for transfers to peers
         self._pin_ids = itertools.count()
         # Wraps each step's model forward. The server's engine thread sets it to release the
-        # lock it holds on the engine's bookkeeping, so short calls (a peer pinning blocks)
-        # run during the forward instead of waiting out the step (EngineLoop.call_now).
+        # lock it holds on the engine's bookkeeping, so short calls on the block pool (a peer
+        # pinning blocks, fetched blocks going in) run during the forward instead of waiting
+        # out the step (EngineLoop.call_now).
         self.during_forward: Callable[[], AbstractContextManager[object]] = nullcontext
 
     # ------------------------------------------------------------------ requests
