@@ -67,17 +67,19 @@ def test_matmul_floor_times_every_linear_at_the_workload_shapes(tiny_model_dir, 
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("lengths", ["even", "aged"])
 def test_attention_bench_compares_the_kernel_with_the_torch_path(
-    tmp_path, capsys, dtype, tolerance
+    tmp_path, capsys, dtype, tolerance, lengths
 ):
     # The dtype is pinned (auto means bfloat16 on some CPUs, float32 on others) and the two
-    # paths agree within that dtype's rounding.
+    # paths agree within that dtype's rounding, with even contexts and with aged ones (the
+    # oldest sequence 7x the newest's).
     out = tmp_path / "attention.json"
     argv = ["attention", "--batch", "6", "--context", "40", "--iters", "2", "--dtype", dtype,
-            "--json", str(out)]  # fmt: skip
+            "--lengths", lengths, "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["batch"] == 6 and result["dtype"] == dtype
+    assert result["batch"] == 6 and result["dtype"] == dtype and result["lengths"] == lengths
     assert result["max_abs_diff"] < tolerance  # both paths compute the same attention
     assert result["speedup"] == result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
     assert result["kernel_vs_floor"] == result["cpu_kernel_ms"] / result["read_kv_ms"]

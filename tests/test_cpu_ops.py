@@ -244,6 +244,32 @@ def test_new_kv_cache_makes_both_layouts_as_one_logical_shape():
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+def test_decode_items_are_split_between_threads_by_work_not_by_count(isa):
+    # paged_decode and read_kv_once give each thread a contiguous range of sequences
+    # (balanced_cuts): in a server's batch the oldest requests, first, have the longest
+    # contexts, and an equal count each would leave one thread most of the reads.
+    ops = _ops(isa)
+    aged = [1750 - 100 * i for i in range(16)]  # 7x to 1x along the batch
+    cuts = ops.balanced_cuts(aged, 2)
+    first, second = sum(aged[: cuts[1]]), sum(aged[cuts[1] :])
+    assert cuts[0] == 0 and cuts[2] == 16 and cuts[1] < 8
+    assert abs(first - second) <= max(aged)
+    assert ops.balanced_cuts([5] * 8, 2) == [0, 4, 8]
+    assert ops.balanced_cuts([5] * 3, 4) == [0, 1, 2, 3]  # never more ranges than items
+    assert ops.balanced_cuts([1, 1000, 1], 3) == [0, 1, 2, 3]  # none empty
+    rng = random.Random(3)
+    for _ in range(200):
+        threads = rng.randint(1, 4)
+        costs = [rng.randint(1, 1500) for _ in range(rng.randint(4 * threads, 64))]
+        cuts = ops.balanced_cuts(costs, threads)
+        assert cuts[0] == 0 and cuts[-1] == len(costs) and len(cuts) == threads + 1
+        assert all(a < b for a, b in zip(cuts, cuts[1:]))
+        share = sum(costs) / threads
+        for a, b in zip(cuts, cuts[1:]):
+            assert abs(sum(costs[a:b]) - share) <= 2 * max(costs)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 def test_decode_attention_reads_a_strided_query(isa):
     # The model hands the kernel the query columns of the fused qkv projection: a view whose
     # rows are wider than the query.

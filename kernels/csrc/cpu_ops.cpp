@@ -687,20 +687,59 @@ struct Paged {
   }
 };
 
+// Runs fn(item, scratch) for items [0, n), split over the threads in contiguous ranges of about
+// equal total `cost(item)`. at::parallel_for's split gives each thread the same number of
+// items, which leaves one thread with the long sequences when lengths differ, as they do in a
+// server's batch (older requests have longer contexts). Ranges stay contiguous, so a thread
+// reads consecutive sequences, whose blocks a fresh pool lays one after another. (Handing items
+// out one at a time, longest first, balanced as well in a scratch A/B and was no faster;
+// docs/benchmarks.md, "Decode attention split by work".)
+// Where each of `threads` contiguous ranges of items starts, given each item's cost: range t is
+// [cuts[t], cuts[t + 1]), cuts[threads] = the item count. Range t starts at the item boundary
+// nearer to t / threads of the total cost; every range keeps at least one item.
+std::vector<int64_t> balanced_cuts(const std::vector<int64_t>& costs, int64_t threads) {
+  const int64_t n = int64_t(costs.size());
+  threads = std::max<int64_t>(1, std::min(threads, n));
+  std::vector<int64_t> sums(n + 1, 0), cuts(threads + 1, n);
+  for (int64_t i = 0; i < n; ++i) sums[i + 1] = sums[i] + costs[i];
+  cuts[0] = 0;
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t target = sums[n] * t / threads;
+    int64_t k = cuts[t - 1] + 1;
+    while (k < n && sums[k] < target) ++k;
+    if (k > cuts[t - 1] + 1 && target - sums[k - 1] < sums[k] - target) --k;
+    cuts[t] = std::min(k, n - (threads - t));
+  }
+  return cuts;
+}
+
+template <typename Scratch, typename Cost, typename Fn>
+void for_each_balanced(int64_t n, Cost cost, Fn fn) {
+  if (n <= 0) return;
+  std::vector<int64_t> costs(n);
+  for (int64_t i = 0; i < n; ++i) costs[i] = cost(i);
+  const std::vector<int64_t> cuts = balanced_cuts(costs, at::get_num_threads());
+  at::parallel_for(0, int64_t(cuts.size()) - 1, 1, [&](int64_t t0, int64_t t1) {
+    Scratch scratch;
+    for (int64_t i = cuts[t0]; i < cuts[t1]; ++i) fn(i, scratch);
+  });
+}
+
 template <typename T, int D>
 void decode_attention(const Paged<T>& p, int64_t B, float scale) {
   // Whole sequences per work item when there are enough to keep every thread busy (each
   // block is then streamed by one thread), else one (sequence, KV head) per item.
   const bool per_seq = B >= 4 * at::get_num_threads();
   const int64_t items = per_seq ? B : B * p.KVH;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = per_seq ? item : item / p.KVH;
-      const int64_t h0 = per_seq ? 0 : item % p.KVH, h1 = per_seq ? p.KVH : h0 + 1;
-      p.template decode<D>(b, b, h0, h1, scale, scores);
-    }
-  });
+  const int64_t heads = per_seq ? p.KVH : 1;
+  for_each_balanced<std::vector<float>>(
+      items,
+      [&](int64_t item) { return (p.lens[per_seq ? item : item / p.KVH] + TILE) * heads; },
+      [&](int64_t item, std::vector<float>& scores) {
+        const int64_t b = per_seq ? item : item / p.KVH;
+        const int64_t h0 = per_seq ? 0 : item % p.KVH, h1 = per_seq ? p.KVH : h0 + 1;
+        p.template decode<D>(b, b, h0, h1, scale, scores);
+      });
 }
 
 // Runs CALL with HD bound to the query's head_dim as a compile-time constant.
@@ -976,33 +1015,34 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   std::vector<double> partial(B, 0.0);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> rows;
-    for (int64_t b = begin; b < end; ++b) {
-      fVec acc(0.f);
-      rows.resize(lp[b]);
-      token_rows(tp + b * MB, lp[b], BS, row, rows.data());
-      if (kblock > 0) {  // token-minor keys: each block's run, whole (the same cache lines)
-        const int64_t blocks = (lp[b] + BS - 1) / BS;
-        for (int64_t j = 0; j < blocks; ++j) {
-          if (j + PREFETCH_BLOCKS < blocks)
-            prefetch_span(kc + tp[b * MB + j + PREFETCH_BLOCKS] * kblock, kblock * sizeof(T));
-          const T* r = kc + tp[b * MB + j] * kblock;
-          for (int64_t i = 0; i + W <= kblock; i += W) acc = acc + loadf(r + i);
+  // Shared out as the decode kernel shares its sequences, so that the floor is not a worse
+  // split than the kernel's own when lengths differ.
+  for_each_balanced<std::vector<int64_t>>(
+      B, [&](int64_t b) { return int64_t(lp[b]); },
+      [&](int64_t b, std::vector<int64_t>& rows) {
+        fVec acc(0.f);
+        rows.resize(lp[b]);
+        token_rows(tp + b * MB, lp[b], BS, row, rows.data());
+        if (kblock > 0) {  // token-minor keys: each block's run, whole (the same cache lines)
+          const int64_t blocks = (lp[b] + BS - 1) / BS;
+          for (int64_t j = 0; j < blocks; ++j) {
+            if (j + PREFETCH_BLOCKS < blocks)
+              prefetch_span(kc + tp[b * MB + j + PREFETCH_BLOCKS] * kblock, kblock * sizeof(T));
+            const T* r = kc + tp[b * MB + j] * kblock;
+            for (int64_t i = 0; i + W <= kblock; i += W) acc = acc + loadf(r + i);
+          }
         }
-      }
-      for (const T* cache : {kc, vc}) {
-        if (cache == kc && kblock > 0) continue;
-        for (int64_t t = 0; t < lp[b]; ++t) {
-          if (t + PREFETCH_TOKENS < lp[b])
-            prefetch_span(cache + rows[t + PREFETCH_TOKENS], row * sizeof(T));
-          const T* r = cache + rows[t];
-          for (int64_t i = 0; i + W <= row; i += W) acc = acc + loadf(r + i);
+        for (const T* cache : {kc, vc}) {
+          if (cache == kc && kblock > 0) continue;
+          for (int64_t t = 0; t < lp[b]; ++t) {
+            if (t + PREFETCH_TOKENS < lp[b])
+              prefetch_span(cache + rows[t + PREFETCH_TOKENS], row * sizeof(T));
+            const T* r = cache + rows[t];
+            for (int64_t i = 0; i + W <= row; i += W) acc = acc + loadf(r + i);
+          }
         }
-      }
-      partial[b] = hsum(acc);
-    }
-  });
+        partial[b] = hsum(acc);
+      });
   double total = 0;
   for (double p : partial) total += p;
   return total;
@@ -1307,6 +1347,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "paged attention of a step with prefills (causal)",
         NoGil());
   m.def("read_kv_once", &read_kv_once, "one read of the keys and values (benchmark floor)");
+  m.def("balanced_cuts", &balanced_cuts,
+        "where each thread's contiguous range of decode items starts, split by cost");
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, then write k and v");

@@ -31,23 +31,38 @@ def add_arguments(parser) -> None:
         "engine) or one after another (a fresh one, where the hardware prefetcher follows)",
     )
     parser.add_argument(
+        "--lengths",
+        choices=("even", "aged"),
+        default="even",
+        help="contexts of the sequences: even (each within 32 tokens of --context) or aged "
+        "(falling from 1.75x to 0.25x --context along the batch, oldest request first, as a "
+        "server's batch holds them)",
+    )
+    parser.add_argument(
         "--isa",
         default=None,
         help="kernel build: generic, avx2, avx512, amx (default: this CPU's)",
     )
 
 
-def decode_batch(batch: int, context: int, dtype, seed: int = 0, contiguous: bool = False) -> dict:
+def decode_batch(
+    batch: int, context: int, dtype, seed: int = 0, contiguous: bool = False, aged: bool = False
+) -> dict:
     """A decode step's inputs at SmolLM2's heads: ``batch`` sequences of ``context`` +- 32
-    tokens, their blocks scattered over a pool twice the size needed, as in a busy engine (or,
-    ``contiguous``, each sequence's blocks one after another)."""
+    tokens (``aged``: from 1.75x down to 0.25x ``context``, the oldest first), their blocks
+    scattered over a pool twice the size needed, as in a busy engine (or, ``contiguous``, each
+    sequence's blocks one after another)."""
     import torch
 
     from kernels.interface import AttentionMetadata
 
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(context - 32, context + 33, (batch,), generator=gen)
+    if aged:
+        share = torch.linspace(1.75, 0.25, batch) if batch > 1 else torch.ones(1)
+        lens = (share * context).round().long().clamp(min=1)
+    else:
+        lens = torch.randint(context - 32, context + 33, (batch,), generator=gen)
     blocks_per_seq = (int(lens.max()) + block - 1) // block
     num_blocks = 2 * batch * blocks_per_seq
     order = torch.arange(num_blocks) if contiguous else torch.randperm(num_blocks, generator=gen)
@@ -85,7 +100,10 @@ def run(args) -> dict:
 
     threads = set_threads(args)
     dtype = getattr(torch, default_dtype("cpu") if args.dtype == "auto" else args.dtype)
-    d = decode_batch(args.batch, args.context, dtype, contiguous=args.blocks == "contiguous")
+    d = decode_batch(
+        args.batch, args.context, dtype, contiguous=args.blocks == "contiguous",
+        aged=args.lengths == "aged",
+    )  # fmt: skip
     lens, tables, meta = d["lens"], d["tables"], d["meta"]
     k_cache, v_cache = d["k_cache"], d["v_cache"]
     # One (keys, values) pair per layer; the first layer's output is the one compared.
@@ -104,7 +122,7 @@ def run(args) -> dict:
     dtype_name = str(dtype).removeprefix("torch.")
     outputs = {}
     result = {"batch": args.batch, "mean_context": float(lens.float().mean())}
-    result.update(dtype=dtype_name, layers=args.layers, blocks=args.blocks)
+    result.update(dtype=dtype_name, layers=args.layers, blocks=args.blocks, lengths=args.lengths)
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
     scale = d["head_dim"] ** -0.5
@@ -180,7 +198,7 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
         f"({d['heads']}/{d['kv_heads']} heads, head_dim {d['head_dim']}, {dtype_name}, "
         f"{threads} threads, kernel build {result['isa']}), mean of {args.iters} calls"
         + (f" over {args.layers} layers' caches in turn, per layer" if args.layers > 1 else "")
-        + f", blocks {args.blocks}"
+        + f", blocks {args.blocks}, lengths {args.lengths}"
         + ":"
     )
     layout = result.get("key_layout")
