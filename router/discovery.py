@@ -58,6 +58,15 @@ class Lease:
     updated_at: float = 0.0
     cached_blocks: int = 0  # blocks in the replica's prefix cache (its block set's size)
     fetch_cost: float = -1.0  # a fetched prompt token's cost / a prefilled one's; < 0: no fetch
+    free_blocks: int = 0  # blocks an allocation can take: empty ones plus evictable cached ones
+
+    @property
+    def empty_blocks(self) -> int | None:
+        """Blocks holding nothing, at least (None: the lease does not say): free blocks that
+        are not cached ones. It counts short by the cached blocks running requests hold."""
+        if self.num_blocks <= 0:
+            return None
+        return max(0, self.free_blocks - self.cached_blocks)
 
     @classmethod
     def from_fields(cls, f: Mapping[str, str]) -> Lease:
@@ -76,6 +85,7 @@ class Lease:
             updated_at=_num(f, "updated_at"),
             cached_blocks=int(_num(f, "cached_blocks")),
             fetch_cost=_num(f, "fetch_cost") if f.get("fetch_cost") else -1.0,
+            free_blocks=int(_num(f, "free_blocks")),
         )
 
     @property

@@ -42,7 +42,7 @@ from router.mirror import SNAPSHOT_LUA, BlockMirror
 LEASE_FIELDS = (
     "address", "http_address", "model", "block_size", "hash_scheme", "epoch", "running",
     "waiting", "kv_usage", "queued_tokens", "num_blocks", "updated_at", "cached_blocks",
-    "fetch_cost",
+    "fetch_cost", "free_blocks",
 )  # fmt: skip
 
 # ARGV: ns, now_ms, router_id, ngroups, then per group: model, block_size, and the group's

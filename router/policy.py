@@ -40,11 +40,14 @@ then copy those blocks (``Replica.FetchBlocks``) instead of prefilling them, if 
 model says that is faster (replica/server/peer_fetch.py). cache_aware's cost counts those
 tokens at the fetch's price, not a prefill's:
 ``cost = prefill_weight * (uncached - fetchable) + fetch_weight * fetchable + load``, where
-``fetchable`` are the prompt tokens some replica holds beyond what this one holds. By default
-(``--fetch-weight auto``) ``fetch_weight`` is each replica's own: the prefill weight times
+``fetchable`` are the prompt tokens some replica holds beyond what this one holds. With
+``--fetch-weight auto`` ``fetch_weight`` is each replica's own: the prefill weight times
 the ``fetch_cost`` its lease publishes (a fetched token's cost over a prefilled one's, as that
 replica has measured them; capped at 1), so a replica whose fetches do not pay, or that does
-not fetch, prices the prefix as a full prefill.
+not fetch, prices the prefix as a full prefill. And a fetch prices only the tokens whose copy
+fits in the replica's empty blocks: past them each copied block evicts a cached one, and on a
+cluster whose pools are full those evictions cost more hits than the fetch saves
+(docs/benchmarks.md, "Without `chrt`"). The default (``off``) counts no fetch.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ class Candidate(NamedTuple):
     # What fetching a prompt token from a peer costs this replica against prefilling it (its
     # lease's ``fetch_cost``, measured there); None: it does not fetch.
     fetch_cost: float | None = None
+    # Blocks its pool holds nothing in (the lease's, at least; None: unknown). A copy that fits
+    # in them evicts nothing; past them every fetched block evicts a cached one.
+    empty_blocks: int | None = None
 
     @property
     def load(self) -> int:
@@ -256,15 +262,27 @@ class CacheAwarePolicy(Policy):
             return self.prefill_weight * min(1.0, candidate.fetch_cost)
         return None
 
+    def _fetchable_cap(self, request: RouteRequest, candidate: Candidate) -> int | None:
+        """With the auto weight, the most held-elsewhere tokens priced as a fetch: those whose
+        copy fits in the replica's empty blocks. Past them a copy evicts cached blocks, hits
+        the cluster loses, so they cost a prefill (docs/fetch.md). None: no cap."""
+        if self.fetch_weight is not None or candidate.empty_blocks is None:
+            return None
+        return candidate.empty_blocks * request.block_size
+
     def cost(self, request: RouteRequest, candidate: Candidate, held_blocks: int = 0) -> float:
         """Prefill still owed there plus its load; with ``fetch_weight``, prompt tokens another
-        replica holds (``held_blocks``, the most any replica has cached) cost a fetch instead."""
+        replica holds (``held_blocks``, the most any replica has cached) cost a fetch instead
+        (with the auto weight, as many as fit in the replica's empty blocks)."""
         hit = hit_tokens(request, candidate.matched_blocks)
         uncached = request.prompt_tokens - hit
         fetchable = 0
         fetch_weight = self._fetch_weight(candidate)
         if fetch_weight is not None:
             fetchable = max(0, hit_tokens(request, held_blocks) - hit)
+            cap = self._fetchable_cap(request, candidate)
+            if cap is not None:
+                fetchable = min(fetchable, cap)
         # Blocks predicted but not cached yet are being prefilled there for an earlier request
         # of the same burst: that queued work is work this request shares, not waits behind
         # any longer than it would prefilling the prefix itself elsewhere.
@@ -330,6 +348,8 @@ class CacheAwarePolicy(Policy):
         for c, load, hit, hit_cached in eligible:
             fetch_weight = self._fetch_weight(c)
             fetchable = max(0, held_hit - hit) if fetch_weight is not None else 0
+            if fetchable and c.empty_blocks is not None and self.fetch_weight is None:
+                fetchable = min(fetchable, c.empty_blocks * bs)
             prefill = prefill_weight * (pt - hit - fetchable)
             if fetchable:
                 prefill += (fetch_weight or 0.0) * fetchable

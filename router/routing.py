@@ -529,6 +529,7 @@ class Router:
         return Candidate(
             rid, cached, predicted, max(0, handle.inflight_tokens) + other, lease.queued_tokens,
             self.recent.count(rid), lease.fetch_cost if lease.fetch_cost >= 0 else None,
+            lease.empty_blocks,
         )  # fmt: skip
 
     def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:

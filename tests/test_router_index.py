@@ -52,7 +52,8 @@ async def _lookup(url: str, groups, router_id: str = "r1", **kw):
 def test_lookup_counts_leading_blocks_and_forgets_dead_replicas(redis_server: str) -> None:
     r = redis.Redis.from_url(redis_server)
     hashes = block_hashes(list(range(40)), BS, MODEL)  # 10 blocks
-    write_replica(r, "a", hashes[:6], queued_tokens=120, running=3, fetch_cost=0.0625)
+    write_replica(r, "a", hashes[:6], queued_tokens=120, running=3, fetch_cost=0.0625,
+                  num_blocks=100, free_blocks=40, cached_blocks=6)  # fmt: skip
     write_replica(r, "b", hashes[:2] + hashes[3:9])  # a hole after block 2: only 2 lead
     write_replica(r, "c", [])
     r.sadd(layout.replicas_key(NS), "dead")  # registered once, lease expired since
@@ -67,6 +68,9 @@ def test_lookup_counts_leading_blocks_and_forgets_dead_replicas(redis_server: st
     assert by_id["a"].lease.queued_tokens == 120 and by_id["a"].lease.running == 3
     # What fetching a token costs "a" (its lease's fetch_cost); "b" publishes none: no fetch.
     assert by_id["a"].lease.fetch_cost == 0.0625 and by_id["b"].lease.fetch_cost < 0
+    # Its pool: 40 blocks an allocation can take, of which 6 at most are cached ones, so at
+    # least 34 hold nothing; "b" does not say.
+    assert by_id["a"].lease.empty_blocks == 34 and by_id["b"].lease.empty_blocks is None
     assert by_id["a"].lease.model == MODEL and by_id["a"].lease.block_size == BS
     # The dead replica is gone from the registry and its block set deleted.
     assert not r.sismember(layout.replicas_key(NS), "dead")

@@ -310,6 +310,7 @@ def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
                     rng.choice([0, load]),
                     rng.randint(0, 40),
                     rng.choice([None, 0.125, 0.5, 3.0]),
+                    rng.choice([None, 0, 1, 4, 100]),
                 )
             )
         for policy in policies:
@@ -331,6 +332,19 @@ def test_auto_fetch_weight_is_each_replicas_measured_fetch_cost() -> None:
     for slow in (Candidate("slow", fetch_cost=3.0), Candidate("no-fetch")):
         assert auto.cost(request, slow, held_blocks=63) == 8 * 1024  # a full prefill
         assert auto.choose(request, [warm, slow]).replica_id == "warm"
+    # A copy that does not fit in the replica's empty blocks would evict cached ones: only
+    # what fits is priced as a fetch, the rest as a prefill; a full pool fetches nothing.
+    roomy = Candidate("fast", fetch_cost=0.125, empty_blocks=100)
+    assert auto.cost(request, roomy, held_blocks=63) == 8 * 16 + 1 * 1008
+    some = Candidate("fast", fetch_cost=0.125, empty_blocks=10)
+    assert auto.cost(request, some, held_blocks=63) == 8 * (16 + 1008 - 160) + 1 * 160
+    full = Candidate("fast", fetch_cost=0.125, empty_blocks=0)
+    assert auto.cost(request, full, held_blocks=63) == 8 * 1024
+    assert auto.choose(request, [warm, roomy]).replica_id == "fast"
+    assert auto.choose(request, [warm, full]).replica_id == "warm"
+    # A fixed weight is the operator's price: no cap.
+    fixed = make_policy("cache_aware", epsilon=10.0, fetch_weight=1.0)
+    assert fixed.cost(request, full, held_blocks=63) == 8 * 16 + 1 * 1008
     assert fetch_knob("off") == fetch_knob(None) == FETCH_OFF
     assert fetch_knob("auto") == FETCH_AUTO and fetch_knob("1.5") == 1.5
     with pytest.raises(ValueError, match="auto, off or a number"):

@@ -100,7 +100,8 @@ def _random_cluster(router, rng):
         rid = f"r{i}"
         lease = Lease(address=f"a{i}", model="m", block_size=4,
                       queued_tokens=rng.choice([0, 16, 64, 500]),
-                      fetch_cost=rng.choice([-1.0, 0.1, 0.9]))  # fmt: skip
+                      fetch_cost=rng.choice([-1.0, 0.1, 0.9]),
+                      num_blocks=rng.choice([0, 64]), free_blocks=rng.choice([0, 8, 64]))  # fmt: skip
         handle = ReplicaHandle(rid, lease, None, None, None)  # type: ignore[arg-type]
         handle.inflight_tokens = rng.choice([0, 8, 40, 300])
         handles[rid] = handle
