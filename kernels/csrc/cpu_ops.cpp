@@ -687,13 +687,6 @@ struct Paged {
   }
 };
 
-// Runs fn(item, scratch) for items [0, n), split over the threads in contiguous ranges of about
-// equal total `cost(item)`. at::parallel_for's split gives each thread the same number of
-// items, which leaves one thread with the long sequences when lengths differ, as they do in a
-// server's batch (older requests have longer contexts). Ranges stay contiguous, so a thread
-// reads consecutive sequences, whose blocks a fresh pool lays one after another. (Handing items
-// out one at a time, longest first, balanced as well in a scratch A/B and was no faster;
-// docs/benchmarks.md, "Decode attention split by work".)
 // Where each of `threads` contiguous ranges of items starts, given each item's cost: range t is
 // [cuts[t], cuts[t + 1]), cuts[threads] = the item count. Range t starts at the item boundary
 // nearer to t / threads of the total cost; every range keeps at least one item.
@@ -713,6 +706,13 @@ std::vector<int64_t> balanced_cuts(const std::vector<int64_t>& costs, int64_t th
   return cuts;
 }
 
+// Runs fn(item, scratch) for items [0, n), split over the threads in contiguous ranges of about
+// equal total `cost(item)`. at::parallel_for's split gives each thread the same number of
+// items, which leaves one thread with the long sequences when lengths differ, as they do in a
+// server's batch (older requests have longer contexts). Ranges stay contiguous, so a thread
+// reads consecutive sequences, whose blocks a fresh pool lays one after another. (Handing items
+// out one at a time, longest first, balanced as well in a scratch A/B and was no faster;
+// docs/benchmarks.md, "Decode attention split by work".)
 template <typename Scratch, typename Cost, typename Fn>
 void for_each_balanced(int64_t n, Cost cost, Fn fn) {
   if (n <= 0) return;
