@@ -21,6 +21,20 @@ from replica.loader import (
 from replica.model_config import ModelConfig, rope_inv_freq
 
 
+def test_transformers_does_not_take_our_kernels_package_for_hugging_faces() -> None:
+    """From 5.25 on, transformers requires Hugging Face's ``kernels`` distribution and imports
+    it by that top-level name, which this repository's kernels/ package also holds: it would
+    import ours and fail on every config it reads. pyproject.toml keeps transformers below."""
+    from transformers.utils import import_utils
+
+    available = getattr(import_utils, "is_kernels_available", lambda: False)
+    assert not available(), (
+        "the installed transformers imports Hugging Face's `kernels` package, which "
+        "kernels/ here shadows: install with pyproject.toml's transformers bound"
+    )
+    import transformers.activations  # noqa: F401  (the import that failed under 5.25)
+
+
 def test_tiny_folder_resolves_as_is(tiny_model_dir: Path, tiny_model_files) -> None:
     assert tiny_model_files.path == tiny_model_dir.resolve()
     assert tiny_model_files.model_id == tiny_model_dir.name
