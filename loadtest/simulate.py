@@ -679,6 +679,10 @@ def _add_simulation_flags(g: Any) -> None:
         help="as the router's flag (negative: off)",
     )  # fmt: skip
     g.add_argument(
+        "--balance-cold-requests-epsilon", type=float,
+        default=_ROUTER.balance_cold_requests_epsilon, help="as the router's flag",
+    )  # fmt: skip
+    g.add_argument(
         "--balance-window", type=int, default=_ROUTER.balance_window, help="as the router's flag"
     )
     g.add_argument(
@@ -735,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
             name, epsilon=args.balance_epsilon, prefill_weight=args.prefill_weight,
             request_epsilon=eps if eps >= 0 else None,
             fetch_weight=args.fetch_weight if args.fetch_weight >= 0 else None,
+            request_cold_epsilon=args.balance_cold_requests_epsilon,
         )  # fmt: skip
 
     for name in (args.compare or "cache_aware").split(","):

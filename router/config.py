@@ -57,6 +57,7 @@ class RouterConfig:
     balance_epsilon: float = 1.0
     balance_slack_tokens: int = 512
     balance_requests_epsilon: float = 0.2
+    balance_cold_requests_epsilon: float = 0.1
     balance_window: int = 256
     tie_tokens: int = 32
     prefill_weight: float = 8.0
@@ -111,6 +112,10 @@ _HELP: dict[str, str] = {
     "--balance-window decisions would exceed (1 + epsilon) x the mean (+ 2 requests) is "
     "skipped, so a hot prefix spills over to a second replica (0.2 keeps max/mean requests "
     "near 1.2; negative = off); it starts once the window holds 32 decisions",
+    "balance_cold_requests_epsilon": "the request bound's epsilon for a replica where the "
+    "request would hit nothing (never above --balance-requests-epsilon): cold requests keep "
+    "within (1 + this) x the mean share, leaving a replica that holds hot prefixes headroom "
+    "for their warm requests (at or above --balance-requests-epsilon: no difference)",
     "balance_window": "routing decisions over which the request bound counts requests",
     "tie_tokens": "costs within this many tokens count as equal; ties go to the replica the "
     "prefix hashes to (rendezvous), the same on every router",

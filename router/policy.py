@@ -227,6 +227,7 @@ class CacheAwarePolicy(Policy):
         fetch_weight: float | None = None,
         fetch_auto: bool = False,
         request_min: int = 32,
+        request_cold_epsilon: float = 0.1,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -238,6 +239,11 @@ class CacheAwarePolicy(Policy):
         # few requests say nothing about balance (a fresh router's first groups, tests, a
         # quiet cluster), and bounding them would only scatter prefixes.
         self.request_min = request_min
+        # A replica where the request would hit nothing takes it only within this tighter
+        # share (never looser than request_epsilon): cold requests fill the replicas nearer
+        # the mean, so a replica that holds hot prefixes keeps headroom for their warm
+        # requests instead of spilling them (docs/router.md, "Bounded requests").
+        self.request_cold_epsilon = request_cold_epsilon
         self.fetch_weight = fetch_weight  # None: a prefix held elsewhere costs a full prefill
         # Without a fixed weight: each replica's own measured cost (Candidate.fetch_cost).
         self.fetch_auto = fetch_auto and fetch_weight is None
@@ -250,6 +256,7 @@ class CacheAwarePolicy(Policy):
             knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
             knobs["prefill_weight"], bound if bound >= 0 else None,
             fetch_weight=fetch if fetch >= 0 else None, fetch_auto=fetch == FETCH_AUTO,
+            request_cold_epsilon=knobs.get("request_cold_epsilon", 0.1),
         )  # fmt: skip
 
     def _fetch_weight(self, candidate: Candidate) -> float | None:
@@ -301,11 +308,17 @@ class CacheAwarePolicy(Policy):
         limit = (1.0 + self.epsilon) * (total_load + w) / n + self.slack_tokens
         return candidate.load + w <= limit
 
-    def within_request_bound(self, candidate: Candidate, total: int, n: int) -> bool:
-        """This request keeps the replica's share of recent decisions within bounds."""
+    def within_request_bound(
+        self, candidate: Candidate, total: int, n: int, request: RouteRequest | None = None
+    ) -> bool:
+        """This request keeps the replica's share of recent decisions within bounds: the
+        tighter cold share where ``request`` would hit nothing there."""
         if self.request_epsilon is None or total < self.request_min:
             return True
-        limit = (1.0 + self.request_epsilon) * (total + 1) / n + self.request_slack
+        epsilon = self.request_epsilon
+        if request is not None and hit_tokens(request, candidate.matched_blocks) == 0:
+            epsilon = min(epsilon, self.request_cold_epsilon)
+        limit = (1.0 + epsilon) * (total + 1) / n + self.request_slack
         return candidate.recent_requests + 1 <= limit
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
@@ -331,14 +344,19 @@ class CacheAwarePolicy(Policy):
         n = len(rows)
         grow, slack = 1.0 + self.epsilon, self.slack_tokens
         bound = self.request_epsilon if recent >= self.request_min else None
-        request_limit = (
-            (1.0 + bound) * (recent + 1) / n + self.request_slack if bound is not None else 0.0
-        )
+        request_limit = cold_limit = 0.0
+        if bound is not None:
+            request_limit = (1.0 + bound) * (recent + 1) / n + self.request_slack
+            cold = min(bound, self.request_cold_epsilon)
+            cold_limit = (1.0 + cold) * (recent + 1) / n + self.request_slack
         eligible = [
             row
             for row in rows
             if row[1] + (w := pt - row[2] + decode) <= grow * (total + w) / n + slack
-            and (bound is None or row[0].recent_requests + 1 <= request_limit)
+            and (
+                bound is None
+                or row[0].recent_requests + 1 <= (request_limit if row[2] else cold_limit)
+            )
         ]
         if not eligible:
             eligible = [min(rows, key=lambda row: (row[1], row[0].recent_requests))]
@@ -376,6 +394,7 @@ def make_policy(
     prefill_weight: float = 8.0,
     request_epsilon: float | None = None,
     fetch_weight: float | str | None = None,
+    request_cold_epsilon: float = 0.1,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
@@ -384,7 +403,7 @@ def make_policy(
         epsilon=epsilon, slack_tokens=slack_tokens, tie_tokens=tie_tokens,
         prefill_weight=prefill_weight,
         request_epsilon=-1.0 if request_epsilon is None else request_epsilon,
-        fetch_weight=fetch_knob(fetch_weight),
+        fetch_weight=fetch_knob(fetch_weight), request_cold_epsilon=request_cold_epsilon,
     )  # fmt: skip
 
 

@@ -167,7 +167,7 @@ class Router:
             name, epsilon=c.balance_epsilon, slack_tokens=c.balance_slack_tokens,
             tie_tokens=c.tie_tokens, prefill_weight=c.prefill_weight,
             request_epsilon=c.balance_requests_epsilon if c.balance_requests_epsilon >= 0 else None,
-            fetch_weight=c.fetch_weight,
+            fetch_weight=c.fetch_weight, request_cold_epsilon=c.balance_cold_requests_epsilon,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------

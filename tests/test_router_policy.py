@@ -217,6 +217,32 @@ def test_request_bound_waits_for_enough_decisions_in_its_window() -> None:
     assert not strict.within_request_bound(warm, 7, 3)
 
 
+def test_cold_requests_leave_a_warm_replica_its_headroom() -> None:
+    # 14 of the last 32 decisions went to "a", which holds a hot prefix and has the least
+    # load. The mean share with this request is 33 / 3 = 11: a cold request may go only
+    # where it keeps a replica within 1.1 x 11 + 2 = 14.1, a warm one within 1.2 x 11 + 2 =
+    # 15.2.
+    def cluster(cached: int) -> list[Candidate]:
+        return [
+            Candidate("a", cached_blocks=cached, recent_requests=14),
+            Candidate("b", inflight_tokens=100, recent_requests=9),
+            Candidate("c", inflight_tokens=100, recent_requests=9),
+        ]
+
+    policy = CacheAwarePolicy(request_epsilon=0.2, request_slack=2)
+    cold = policy.choose(req(), cluster(cached=0))
+    assert cold.replica_id in ("b", "c") and cold.outcome == COLD
+    assert not policy.within_request_bound(cluster(0)[0], 32, 3, req())
+    warm = policy.choose(req(), cluster(cached=18))
+    assert (warm.replica_id, warm.outcome) == ("a", WARM)
+    assert policy.within_request_bound(cluster(18)[0], 32, 3, req())
+    # The cold share as loose as the warm one (the router's flag at 0.2 or above): the cold
+    # request takes the least-loaded replica, and its warm requests would soon spill.
+    loose = CacheAwarePolicy(request_epsilon=0.2, request_slack=2, request_cold_epsilon=0.2)
+    assert loose.choose(req(), cluster(cached=0)).replica_id == "a"
+    assert make_policy("cache_aware", request_epsilon=0.2).request_cold_epsilon == 0.1
+
+
 def test_make_policy_passes_the_request_bound() -> None:
     p = make_policy("cache_aware", request_epsilon=0.1)
     assert isinstance(p, CacheAwarePolicy) and p.request_epsilon == 0.1
@@ -259,7 +285,8 @@ def _reference_choose(policy: CacheAwarePolicy, request: RouteRequest, candidate
     eligible = [
         c
         for c in candidates
-        if policy.within_bound(request, c, total, n) and policy.within_request_bound(c, recent, n)
+        if policy.within_bound(request, c, total, n)
+        and policy.within_request_bound(c, recent, n, request)
     ]
     if not eligible:
         eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
@@ -290,6 +317,7 @@ def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
         CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_weight=1.0),
         CacheAwarePolicy(epsilon=0.0, slack_tokens=0, request_epsilon=0.0, fetch_weight=0.0),
         CacheAwarePolicy(request_epsilon=0.2, request_slack=0, request_min=0),
+        CacheAwarePolicy(request_epsilon=0.3, request_min=0, request_cold_epsilon=0.1),
         CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_auto=True),
     ]
     for _ in range(400):
