@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from prefixmesh import limits, settings, tenants, tls
 from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS
-from router.policy import POLICIES, fetch_knob
+from router.policy import COLD_REQUEST_EPSILON, POLICIES, fetch_knob
 
 _LIMITS = limits.RequestLimits()
 MAP_SOURCES = ("mirror", "redis")
@@ -57,7 +57,7 @@ class RouterConfig:
     balance_epsilon: float = 1.0
     balance_slack_tokens: int = 512
     balance_requests_epsilon: float = 0.2
-    balance_cold_requests_epsilon: float = 0.1
+    balance_cold_requests_epsilon: float = COLD_REQUEST_EPSILON
     balance_window: int = 256
     tie_tokens: int = 32
     prefill_weight: float = 8.0

@@ -61,6 +61,11 @@ import xxhash
 
 WARM, SPILLOVER, COLD, FALLBACK = "warm", "spillover", "cold", "fallback"
 
+# The request bound's epsilon where a request would hit nothing (``--balance-cold-requests-
+# epsilon``): measured against 0 and the bound's own 0.2 (docs/benchmarks.md, "Cold requests
+# keep nearer the mean").
+COLD_REQUEST_EPSILON = 0.1
+
 
 class RouteRequest(NamedTuple):
     """What a policy knows about a request (``prompt_tokens == 0``: not tokenized)."""
@@ -227,7 +232,7 @@ class CacheAwarePolicy(Policy):
         fetch_weight: float | None = None,
         fetch_auto: bool = False,
         request_min: int = 32,
-        request_cold_epsilon: float = 0.1,
+        request_cold_epsilon: float = COLD_REQUEST_EPSILON,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -256,7 +261,7 @@ class CacheAwarePolicy(Policy):
             knobs["epsilon"], int(knobs["slack_tokens"]), int(knobs["tie_tokens"]),
             knobs["prefill_weight"], bound if bound >= 0 else None,
             fetch_weight=fetch if fetch >= 0 else None, fetch_auto=fetch == FETCH_AUTO,
-            request_cold_epsilon=knobs.get("request_cold_epsilon", 0.1),
+            request_cold_epsilon=knobs.get("request_cold_epsilon", COLD_REQUEST_EPSILON),
         )  # fmt: skip
 
     def _fetch_weight(self, candidate: Candidate) -> float | None:
@@ -394,7 +399,7 @@ def make_policy(
     prefill_weight: float = 8.0,
     request_epsilon: float | None = None,
     fetch_weight: float | str | None = None,
-    request_cold_epsilon: float = 0.1,
+    request_cold_epsilon: float = COLD_REQUEST_EPSILON,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
