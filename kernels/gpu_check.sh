@@ -13,6 +13,8 @@ RESULTS=${1:-gpu_check_results.md}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # compiled kernels, not the CPU interpreter
+# The C++ CPU kernels serve only the CPU path; the test session would otherwise compile them first.
+export PREFIXMESH_CPU_KERNELS=${PREFIXMESH_CPU_KERNELS:-0}
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: $PY has no CUDA-enabled torch or sees no GPU; nothing to check." >&2

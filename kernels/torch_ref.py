@@ -208,7 +208,11 @@ class TorchAttentionBackend(AttentionBackend):
             # Fold the query heads of each KV group into the length axis: [KVH, q_len*G, D].
             qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
             qg = qg.reshape(num_kv_heads, q_len * group, head_dim)
-            mask = plan.mask.repeat_interleave(group, dim=0)
+            mask = plan.mask
+            if mask is None:  # a plain prefill called without its new keys (kv_written): the
+                # same causal attention, read back from the cache
+                mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
+            mask = mask.repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(
                 qg[None],
                 k.transpose(0, 1)[None],

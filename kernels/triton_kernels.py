@@ -317,6 +317,11 @@ def _with_globals(fn, **overrides):
     scope = dict(fn.__globals__, **overrides)
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    # triton.jit reads which parameters are tl.constexpr from the annotations, which
+    # FunctionType does not copy: without them every constexpr becomes a runtime argument (the
+    # interpreter does not mind; compiled kernels fail on the string DOT_PRECISION).
+    copy.__annotations__ = dict(fn.__annotations__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
 
 

@@ -263,6 +263,21 @@ def test_strided_query_and_kv_views():
     check_close(out, case.naive(), torch.float32)
 
 
+def test_torch_path_plain_prefill_reads_the_cache_without_its_new_keys():
+    # kernels.bench times attend() alone, after the new keys are already in the cache: a plain
+    # prefill on the SDPA path (no C++ kernel: every GPU, PREFIXMESH_CPU_KERNELS=0) then has no
+    # kv_written pair and reads the cache, causally.
+    case = Case([(0, 20), (5, 1), (0, 7)], 16, 4, 2, 32, torch.float32)
+    k_cache, v_cache = case.caches()
+    backend = TorchAttentionBackend(use_cpu_kernel=False, device=DEVICE.type)
+    slots = case.meta.slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = case.new_k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = case.new_v
+    backend.prepare(case.meta, case.block_size)
+    out = backend.attend(case.query, k_cache, v_cache, case.meta, case.scale)
+    torch.testing.assert_close(out.cpu().double(), case.naive(), atol=2e-4, rtol=2e-4)
+
+
 def test_store_kv_writes_only_its_slots_and_skips_padding():
     case = Case([(3, 5), (0, 2)], 16, 2, 2, 64, torch.float16, seed=3)
     k_cache, v_cache = case.caches()
@@ -349,3 +364,23 @@ def test_kernels_compile_for_cuda_without_a_gpu():
             DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST_DOT=False,
         )  # fmt: skip
         _compile_for_cuda(kernels.paged_attention, arch, types, constexprs)
+
+
+def test_compiled_kernels_keep_their_constexpr_parameters():
+    # A launch binds tl.constexpr parameters at compile time and passes the rest as runtime
+    # arguments; the split is read from the annotations. The kernels rebound for the GPU lost
+    # theirs once, and every launch on a real GPU failed on the string DOT_PRECISION (the
+    # interpreter and the explicit-signature compile above did not notice).
+    from kernels import triton_kernels
+    from kernels.triton_kernels import get_kernels
+
+    sources = {
+        "store_kv": triton_kernels._store_kv_fn,
+        "paged_attention": triton_kernels._paged_attention_fn,
+        "merge_splits": triton_kernels._merge_splits_fn,
+    }
+    kernels = get_kernels(interpret=False)
+    for name, source in sources.items():
+        declared = [p for p, kind in source.__annotations__.items() if "constexpr" in str(kind)]
+        bound = [p.name for p in getattr(kernels, name).params if p.is_constexpr]
+        assert declared and bound == declared, name
