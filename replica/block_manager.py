@@ -107,6 +107,16 @@ class BlockManager:
                 del self._evictable[b]
             self.ref_counts[b] += 1
 
+    def touch(self, blocks: list[int]) -> None:
+        """Mark cached ``blocks`` (a prefix, in order) as just used, so allocations evict them
+        after every block nobody has asked for since. The tail is moved first, as ``release``
+        orders them, so it stays the first of them to go. Referenced blocks are not evictable
+        and stay as they are."""
+        evictable = self._evictable
+        for b in reversed(blocks):
+            if b in evictable:
+                evictable.move_to_end(b)
+
     def allocate(self) -> int:
         """A fresh block with one reference, evicting the least recently used cached block."""
         if self._free:

@@ -93,7 +93,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if self.shares is not None:
             self.shares.enter(seq.request.tenant)
+        self._keep_prefix(seq)
         self._requeue(seq)
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """Mark the cached prefix of an arriving sequence as just used. The router sent the
+        request here because this replica holds that prefix; while the request waits its
+        turn, the running sequences' new blocks evict the least recently used cached blocks,
+        and without this the prefix it came for could be among them."""
+        if not self.bm.enable_prefix_caching:
+            return
+        self.update_block_hashes(seq)
+        self.bm.touch(self.bm.match_prefix(seq.block_hashes[: self._cacheable(seq)]))
 
     def _requeue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

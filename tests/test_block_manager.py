@@ -49,6 +49,27 @@ def test_cached_blocks_are_reused_then_evicted_least_recently_used():
     bm.check_integrity([[0, 1, 2]])
 
 
+def test_touched_prefix_is_evicted_after_blocks_nobody_asked_for():
+    bm, _, removed = make(num_blocks=4)
+    first = block_hashes(list(range(8)), 4, "m")  # an older prompt's two blocks
+    second = block_hashes(list(range(100, 108)), 4, "m")
+    tables = []
+    for hashes in (first, second):
+        table = [bm.allocate() for _ in hashes]
+        for block, h in zip(table, hashes):
+            bm.cache_block(block, h)
+        tables.append(table)
+    for table in tables:
+        bm.release(table)  # LRU, oldest first: first's tail, first's head, second's tail, head
+    held = bm.match_prefix(first)
+    bm.reference(second_hit := bm.match_prefix(second[:1]))  # in use: touch leaves it alone
+    bm.touch(held + second_hit)
+    bm.check_integrity([second_hit])
+    # The untouched block goes first; then the touched prefix, tail before head.
+    assert [bm.allocate() for _ in range(3)] == [3, 1, 0]
+    assert removed == [second[1], first[1], first[0]]
+
+
 def test_duplicate_content_keeps_the_first_cached_copy():
     bm, stored, _ = make()
     h = block_hashes([1, 2, 3, 4], 4, "m")[0]

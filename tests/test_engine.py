@@ -528,3 +528,32 @@ def test_a_request_waiting_on_a_prefix_goes_ahead_when_its_leader_is_aborted(tin
                 got.extend(out.new_token_ids)
     engine.check_integrity()
     assert got == solo
+
+
+def test_a_queued_request_keeps_the_prefix_it_was_sent_for(tiny_model_dir):
+    # A router sends a request where its prefix is cached. While it waits its turn, the
+    # running sequences' new blocks evict the least recently used cached blocks: marking its
+    # prefix used on arrival makes them take blocks nobody is waiting for first.
+    rng = random.Random(15)
+    prefix = [rng.randrange(5, 400) for _ in range(64)]
+    other = [rng.randrange(5, 400) for _ in range(64)]
+    llm = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_seqs=1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    solo = run_greedy(llm, [prefix + [9, 9, 9]])[0]
+    llm.engine.reset_prefix_cache()
+    run_greedy(llm, [prefix + [1], other + [1]], params)  # 4 + 4 cached blocks, prefix oldest
+    engine = llm.engine
+    engine.add_request("long", [rng.randrange(5, 400) for _ in range(100)], GREEDY)
+    engine.add_request("queued", prefix + [9, 9, 9], GREEDY)  # waits behind "long" (1 seq)
+    got: list[int] = []
+    cached = -1
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.request_id == "queued":
+                got.extend(out.new_token_ids)
+                cached = out.num_cached_tokens
+    engine.check_integrity()
+    assert got == solo
+    assert cached == 64  # "long" took 7 blocks: the 4 free ones and 3 of the other prompt's
