@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtest.upcluster import free_port
+from prefixmesh.cli.redis_server import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTERS = ("sglang", "prefixmesh")
@@ -114,8 +114,10 @@ class Cluster:
             proc = self._spawn("redis", [sys.executable, "-c", _REDIS, str(port)], True)
             redis = f"redis://127.0.0.1:{port}/0"
             _wait_port(port, proc, 60.0)
+        # Picked together: one by one, a port closed a moment ago can come back (free_ports).
+        ports = iter(free_ports(2 * a.replicas + 2))
         for i in range(a.replicas):
-            g, h = free_port(), free_port()
+            g, h = next(ports), next(ports)
             self._spawn(f"replica-{i}", _cli(
                 "replica", "--host", "127.0.0.1", "--port", str(g), "--http-port", str(h),
                 "--replica-id", f"replica-{i}", "--redis", redis, "--model", a.model,
@@ -123,7 +125,7 @@ class Cluster:
                 *a.replica_arg,
             ))  # fmt: skip
             self.replica_http.append(f"http://127.0.0.1:{h}")
-        g, h = free_port(), free_port()
+        g, h = next(ports), next(ports)
         self._spawn("router", _cli(
             "router", "--port", str(g), "--http-port", str(h), "--redis", redis,
             "--policy", a.policy, *a.router_arg,
@@ -145,11 +147,11 @@ class Cluster:
 def _start_sglang(
     args: argparse.Namespace, cluster: Cluster, logs: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+    port, metrics_port = free_ports(2)
     argv = [
         args.sglang_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
         "--port", str(port), "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(free_port()), "--policy", args.sglang_policy,
+        "--prometheus-port", str(metrics_port), "--policy", args.sglang_policy,
         "--worker-urls", *cluster.replica_http,
     ]  # fmt: skip
     proc = subprocess.Popen(

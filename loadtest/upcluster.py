@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,16 +19,11 @@ from pathlib import Path
 
 import grpc
 
+from prefixmesh.cli.redis_server import free_ports
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class UpCluster:
@@ -37,7 +31,7 @@ class UpCluster:
 
     def __init__(self, model: str, replicas: int, flags: tuple[str, ...] = ()) -> None:
         self.model, self.replicas, self.flags = model, replicas, flags
-        self.port, self.http_port = free_port(), free_port()
+        self.port, self.http_port = free_ports(2)
         self.router = f"127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="up-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None

@@ -277,6 +277,41 @@ def test_up_plan_redis_is_not_critical(monkeypatch) -> None:
     assert plan.router_spec.critical
 
 
+def test_up_plan_never_hands_out_one_port_twice(monkeypatch) -> None:
+    # A replica once failed to start: the port picked for it was the one picked for Redis a
+    # moment before (closed in between, so the OS handed it out again). This socket does that
+    # every time: port 0 binds the lowest port nobody holds.
+    from prefixmesh.cli import redis_server
+
+    held: set[int] = set()
+
+    class ReusingSocket:
+        def __init__(self, *args) -> None:
+            self.port = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            held.discard(self.port)
+
+        def bind(self, address) -> None:
+            self.port = min(set(range(40000, 40100)) - held)
+            held.add(self.port)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(redis_server.socket, "socket", ReusingSocket)
+    monkeypatch.setattr(up_cli, "find_redis_server", lambda: "redis-server")
+    plan = up_cli.make_plan(up_cli.parse_config(["--replicas", "3", "--metrics"]))
+    redis_port = int(plan.redis_url.rsplit(":", 1)[1].split("/")[0])
+    replica_ports = [int(a.rsplit(":", 1)[1]) for a in plan.replica_addresses]
+    ports = [redis_port, *replica_ports, *plan.metrics.values()]
+    assert len(ports) == 1 + 3 + 4 and len(set(ports)) == len(ports), ports
+    assert not held  # every picking socket closed
+
+
 def test_tls_files_reach_router_and_replicas_by_environment(tmp_path: Path) -> None:
     files = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
     for path in files.values():

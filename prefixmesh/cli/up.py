@@ -35,7 +35,7 @@ from prefixmesh.cli.procs import (
     describe_exit,
     wait_serving,
 )
-from prefixmesh.cli.redis_server import find_redis_server, free_port, redis_command, wait_for_redis
+from prefixmesh.cli.redis_server import find_redis_server, free_ports, redis_command, wait_for_redis
 from prefixmesh.tls import TlsFiles
 from prefixmesh.tls import channel as tls_channel
 
@@ -296,10 +296,13 @@ class Plan:
 
 def make_plan(cfg: UpConfig) -> Plan:
     inner_host = "127.0.0.1"
+    # Every port the plan hands out, picked together so that no two are the same.
+    wanted = (not cfg.redis) + cfg.replicas * (1 + cfg.metrics) + cfg.metrics
+    ports = iter(free_ports(wanted, inner_host))
     redis_spec = None
     redis_url = cfg.redis
     if not redis_url:
-        port = free_port(inner_host)
+        port = next(ports)
         # Not critical: the router and the replicas serve on without Redis.
         redis_spec = ProcessSpec(REDIS, redis_command(port, inner_host, find_redis_server()))
         redis_url = f"redis://{inner_host}:{port}/0"
@@ -316,7 +319,7 @@ def make_plan(cfg: UpConfig) -> Plan:
     threads = cfg.threads_per_replica()
     replica_specs, addresses = [], []
     for i in range(cfg.replicas):
-        name, port = f"replica-{i}", free_port(inner_host)
+        name, port = f"replica-{i}", next(ports)
         argv = _cli(
             "replica", "--host", inner_host, "--port", str(port),
             "--advertise-host", inner_host, "--replica-id", name, "--redis", redis_url,
@@ -324,7 +327,7 @@ def make_plan(cfg: UpConfig) -> Plan:
             "--block-size", str(cfg.block_size),
         )  # fmt: skip
         if cfg.metrics:
-            metrics[name] = free_port(inner_host)
+            metrics[name] = next(ports)
             argv += ["--metrics-port", str(metrics[name])]
         replica_specs.append(ProcessSpec(name, argv + list(cfg.replica_args), replica_env))
         addresses.append(f"{inner_host}:{port}")
@@ -335,7 +338,7 @@ def make_plan(cfg: UpConfig) -> Plan:
     if cfg.http_port:
         router_argv += ["--http-port", str(cfg.http_port)]
     if cfg.metrics:
-        metrics[ROUTER] = free_port(inner_host)
+        metrics[ROUTER] = next(ports)
         router_argv += ["--metrics-port", str(metrics[ROUTER])]
     router_spec = ProcessSpec(
         ROUTER, router_argv + list(cfg.router_args), router_env, critical=True
