@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the Triton attention kernels: the kernel tests compiled for CUDA (not under the
-# interpreter, and with the larger GPU-only cases), then the attention benchmark.
+# interpreter, and with the larger GPU-only cases), the engine end to end on the GPU (greedy
+# parity with Hugging Face, tok/s: `prefixmesh bench gpu`), then the attention benchmark.
 #
 #   bash kernels/gpu_check.sh [RESULTS_FILE]      # default: gpu_check_results.md
 #
@@ -58,6 +59,20 @@ step "kernel tests on CUDA (compiled)" \
 # Greedy output of the tiny model, triton vs torch backend (needs the replica engine's deps).
 step "engine test: triton backend vs torch backend" \
     "$PY" -m pytest tests/test_triton_engine.py -q -p no:cacheprovider -o addopts="" \
+    || status=1
+# The engine end to end on the GPU: both backends against Hugging Face in float32, and tok/s.
+# GPU_CHECK_MODEL names the model (default smollm2); GPU_CHECK_RANDOM_WEIGHTS=1 keeps only its
+# config and tokenizer (a machine without the weights or the network to fetch them).
+engine_on_gpu() {
+    local log rc
+    log=$(mktemp)
+    "$PY" -m replica.bench gpu --model "${GPU_CHECK_MODEL:-smollm2}" \
+        ${GPU_CHECK_RANDOM_WEIGHTS:+--random-weights} >"$log" 2>&1
+    rc=$?
+    cat "$log"
+    grep -q "^parity: PASS" "$log" && [ "$rc" = 0 ]
+}
+step "engine end to end: $(basename "${GPU_CHECK_MODEL:-smollm2}") on the GPU" engine_on_gpu \
     || status=1
 step "benchmark: SmolLM2-135M shapes (9/3 heads, head_dim 64), float16" \
     "$PY" -m kernels.bench --dtype float16

@@ -257,3 +257,22 @@ def test_gemm_bench_times_both_gemms_at_every_row_count_and_the_engine_both_ways
     printed = capsys.readouterr().out
     assert ("pair GEMM: " if dtype == "bfloat16" else "panel GEMM, build") in printed
     assert "speed-up" in printed
+
+
+def test_gpu_bench_checks_parity_on_new_weights_and_times_each_backend(
+    tiny_model_dir, tmp_path, capsys
+):
+    # Without CUDA it runs on the CPU: the torch backend here (the Triton one would run under
+    # the interpreter, minutes); kernels/gpu_check.sh runs both on a GPU.
+    out = tmp_path / "gpu.json"
+    argv = ["gpu", "--model", str(tiny_model_dir), "--random-weights", "--layers", "1",
+            "--dtype", "float32", "--backends", "torch", "--batch", "4", "--prompt-len", "20",
+            "--max-tokens", "5", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    torch_rounds = result["parity"]["torch"]
+    assert torch_rounds["equal"] == [[True] * 4, [True] * 4] and result["parity_passed"]
+    # The second round finds every prompt's full blocks of the first (the last token never).
+    assert torch_rounds["cached_tokens"][1] == [64, 96, 208, 0]
+    assert result["throughput"]["torch"]["tokens"] == 4 * 5
+    assert "parity: PASS" in capsys.readouterr().out

@@ -14,6 +14,7 @@ in the same run: ``prefixmesh bench <name> --help``.
 ``prefill``     prefill with its attention in the C++ kernel vs torch's SDPA, alternating
 ``fetch``       two replicas: a prompt's KV fetched from the peer vs prefilled, TTFT and MB/s
 ``gemm``        bfloat16 linears: oneDNN vs the pair GEMM (AVX-512 BF16), and the engine both ways
+``gpu``         the engine on a CUDA GPU: both attention backends' parity with HF, and tok/s
 
 Every command prints what it measured and how. This machine is noisy: compare ratios measured
 in one run, not absolute numbers across runs.
@@ -34,7 +35,7 @@ __all__ = ["main", "matmul_floor", "random_prompts", "seconds_per_call"]
 
 BENCHMARKS = (
     "throughput", "varied", "profile", "prefix", "chunked", "memory", "startup", "peak",
-    "attention", "prefill", "fetch", "gemm",
+    "attention", "prefill", "fetch", "gemm", "gpu",
 )  # fmt: skip
 
 
