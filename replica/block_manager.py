@@ -9,7 +9,10 @@ Every block is in exactly one of three states:
 A block gets its hash (and remembers its token ids, which a peer fetching it needs) once it is
 full of computed tokens; identical content computed twice keeps the first block as the cached
 copy. A cached block is never written again, so a block pinned by a reference (a sequence, or a
-transfer to a peer replica) holds the same KV until it is released. Changes to the set of cached hashes are reported through
+transfer to a peer replica) holds the same KV until it is released. A request's cached prefix
+counts as used when the request arrives (``touch``, from ``Scheduler.add``), not only when it is
+admitted, so it outlasts blocks nobody has asked for while the request waits its turn. Changes
+to the set of cached hashes are reported through
 ``on_stored`` / ``on_removed`` so the replica can mirror them to Redis.
 """
 
