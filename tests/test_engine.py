@@ -51,6 +51,20 @@ def run_greedy(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
+def run_until_done(engine, request_id: str, max_steps: int = 200) -> tuple[list[int], int]:
+    """Step until nothing is left; ``request_id``'s tokens and the cached tokens it reported."""
+    got: list[int] = []
+    cached = -1
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.request_id == request_id:
+                got.extend(out.new_token_ids)
+                cached = out.num_cached_tokens
+    return got, cached
+
+
 def use_f32_gemm(monkeypatch, mode: str) -> None:
     """Pack float32 weights for ``mode``'s GEMM (kernels/cpu_linear.py) in engines made next."""
     monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, mode)
@@ -519,13 +533,7 @@ def test_a_request_waiting_on_a_prefix_goes_ahead_when_its_leader_is_aborted(tin
     engine.step()  # the leader's last 35; the follower waits for the prefix's last 2 blocks
     assert [s.request.request_id for s in engine.scheduler.waiting] == ["follower"]
     engine.abort_request("leader")
-    got: list[int] = []
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.request_id == "follower":
-                got.extend(out.new_token_ids)
+    got, _ = run_until_done(engine, "follower")
     engine.check_integrity()
     assert got == solo
 
@@ -545,15 +553,7 @@ def test_a_queued_request_keeps_the_prefix_it_was_sent_for(tiny_model_dir):
     engine = llm.engine
     engine.add_request("long", [rng.randrange(5, 400) for _ in range(100)], GREEDY)
     engine.add_request("queued", prefix + [9, 9, 9], GREEDY)  # waits behind "long" (1 seq)
-    got: list[int] = []
-    cached = -1
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.request_id == "queued":
-                got.extend(out.new_token_ids)
-                cached = out.num_cached_tokens
+    got, cached = run_until_done(engine, "queued")
     engine.check_integrity()
     assert got == solo
     assert cached == 64  # "long" took 7 blocks: the 4 free ones and 3 of the other prompt's
