@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prefixmesh.cli.redis_server import free_port, free_ports
+from prefixmesh.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTERS = ("sglang", "prefixmesh")

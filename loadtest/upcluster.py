@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from prefixmesh.cli.redis_server import free_ports
+from prefixmesh.ports import free_ports
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

