@@ -71,6 +71,9 @@ engine_on_gpu() {
     rc=$?
     cat "$log"
     grep -q "^parity: PASS" "$log" && [ "$rc" = 0 ]
+    rc=$?
+    rm -f "$log"
+    return "$rc"
 }
 step "engine end to end: $(basename "${GPU_CHECK_MODEL:-smollm2}") on the GPU" engine_on_gpu \
     || status=1
