@@ -37,7 +37,8 @@ from pathlib import Path
 import grpc
 
 from prefixmesh import event_loop
-from prefixmesh.cli.redis_server import EmbeddedRedis, free_port
+from prefixmesh.cli.redis_server import EmbeddedRedis
+from prefixmesh.ports import free_ports
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -286,7 +287,7 @@ def _start_router(
     source: str, args: argparse.Namespace, redis_url: str, env: dict[str, str], cwd: Path = ROOT
 ) -> tuple[subprocess.Popen[str], int, int]:
     """A router process (from the checkout at ``cwd``); returns it, its port and metrics port."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     router = _start([sys.executable, "-m", "prefixmesh.cli", "router", "--port", str(port),
                      "--redis", redis_url, "--policy", args.policy, "--map-source", source,
                      "--metrics-port", str(metrics_port), "--log-level", "WARNING"],

@@ -22,7 +22,8 @@ from pathlib import Path
 import grpc
 
 from prefixmesh.cli.procs import LogSink, ProcessSpec, Supervisor, wait_serving
-from prefixmesh.cli.redis_server import EmbeddedRedis, free_port
+from prefixmesh.cli.redis_server import EmbeddedRedis
+from prefixmesh.ports import free_port
 
 __all__ = [
     "CLI", "EmbeddedRedis", "Proc", "free_port", "start_redis", "stop_all", "wait_until",

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from prefixmesh.cli.procs import (
     wait_serving,
 )
 from prefixmesh.cli.redis_server import find_redis_server, redis_command, wait_for_redis
-from prefixmesh.ports import free_ports
+from prefixmesh.ports import port_picker
 from prefixmesh.tls import TlsFiles
 from prefixmesh.tls import channel as tls_channel
 
@@ -296,14 +297,17 @@ class Plan:
 
 
 def make_plan(cfg: UpConfig) -> Plan:
+    # Every port the plan hands out is held until all are picked, so no two are the same.
+    with port_picker("127.0.0.1") as pick:
+        return _make_plan(cfg, pick)
+
+
+def _make_plan(cfg: UpConfig, pick: Callable[[], int]) -> Plan:
     inner_host = "127.0.0.1"
-    # Every port the plan hands out, picked together so that no two are the same.
-    wanted = (not cfg.redis) + cfg.replicas * (1 + cfg.metrics) + cfg.metrics
-    ports = iter(free_ports(wanted, inner_host))
     redis_spec = None
     redis_url = cfg.redis
     if not redis_url:
-        port = next(ports)
+        port = pick()
         # Not critical: the router and the replicas serve on without Redis.
         redis_spec = ProcessSpec(REDIS, redis_command(port, inner_host, find_redis_server()))
         redis_url = f"redis://{inner_host}:{port}/0"
@@ -320,7 +324,7 @@ def make_plan(cfg: UpConfig) -> Plan:
     threads = cfg.threads_per_replica()
     replica_specs, addresses = [], []
     for i in range(cfg.replicas):
-        name, port = f"replica-{i}", next(ports)
+        name, port = f"replica-{i}", pick()
         argv = _cli(
             "replica", "--host", inner_host, "--port", str(port),
             "--advertise-host", inner_host, "--replica-id", name, "--redis", redis_url,
@@ -328,7 +332,7 @@ def make_plan(cfg: UpConfig) -> Plan:
             "--block-size", str(cfg.block_size),
         )  # fmt: skip
         if cfg.metrics:
-            metrics[name] = next(ports)
+            metrics[name] = pick()
             argv += ["--metrics-port", str(metrics[name])]
         replica_specs.append(ProcessSpec(name, argv + list(cfg.replica_args), replica_env))
         addresses.append(f"{inner_host}:{port}")
@@ -339,7 +343,7 @@ def make_plan(cfg: UpConfig) -> Plan:
     if cfg.http_port:
         router_argv += ["--http-port", str(cfg.http_port)]
     if cfg.metrics:
-        metrics[ROUTER] = next(ports)
+        metrics[ROUTER] = pick()
         router_argv += ["--metrics-port", str(metrics[ROUTER])]
     router_spec = ProcessSpec(
         ROUTER, router_argv + list(cfg.router_args), router_env, critical=True
