@@ -302,9 +302,38 @@ class ReplicaSim:
         self.fetched_tokens = 0
 
     def queued_tokens(self) -> int:
-        """What the lease reports: prompt tokens still to prefill plus tokens still to decode."""
-        q = sum(r.total for r in self.waiting)
-        return q + sum(r.total - r.computed for r in self.running)
+        """What the lease reports (``Scheduler.outstanding_tokens``): prompt tokens still to
+        prefill plus tokens still to decode, where a waiting request's leading blocks that are
+        cached or being prefilled by a running one do not count."""
+        q = sum(r.total - r.computed for r in self.running)
+        if not self.waiting:
+            return q
+        bs = self.model.block_size
+        inflight = self._inflight_blocks(self.running)
+        for r in self.waiting:
+            reused = 0
+            for h in r.hashes[: (r.prompt_len - 1) // bs]:
+                if not (self.pool.holds(h) or h in inflight):
+                    break
+                reused += 1
+            q += r.total - reused * bs
+        return q
+
+    def _inflight_blocks(self, requests: Sequence[SimRequest]) -> set[bytes]:
+        """Prompt blocks these running requests are prefilling and have not cached yet."""
+        bs = self.model.block_size
+        out: set[bytes] = set()
+        for r in requests:
+            if r.computed < r.prompt_len:
+                out.update(r.hashes[len(r.held) : r.prompt_len // bs])
+        return out
+
+    def _prefix_in_flight(self, r: SimRequest, inflight: set[bytes]) -> bool:
+        """As the replica's scheduler (``wait_for_inflight_prefix``): whether the first block of
+        ``r`` past its cached prefix is one a running request is prefilling now."""
+        cacheable = (r.prompt_len - 1) // self.model.block_size
+        hits = self.leading(r.hashes[:cacheable])
+        return hits < cacheable and r.hashes[hits] in inflight
 
     def leading(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -346,15 +375,22 @@ class ReplicaSim:
             n = 1 if r.computed >= r.prompt_len else min(r.prompt_len - r.computed, budget)
             plan.append((r, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.model.max_num_seqs:
-            r = self.waiting[0]
+        # A waiting request whose next prompt block a running one is prefilling waits for it
+        # (the replica's scheduler does the same), the next one in line goes first.
+        inflight = self._inflight_blocks(self.running)
+        for r in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.model.max_num_seqs:
+                break
+            if inflight and self._prefix_in_flight(r, inflight):
+                continue
             n = self._admit(r, budget)
             if n is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(r)
             self.running.append(r)
             plan.append((r, n))
             budget -= n
+            inflight |= self._inflight_blocks([r])
         prefill = sum(n for r, n in plan if r.computed < r.prompt_len)
         decoding = sum(1 for r, n in plan if r.computed >= r.prompt_len)
         end = now + self.model.step_s + self.model.prefill_s * prefill

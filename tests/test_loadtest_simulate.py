@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from loadtest.ceilings import ceiling
+from loadtest.request import LoadRequest
 from loadtest.simulate import BlockPool, EngineModel, simulate
 from loadtest.synthetic import SharedPrefixSpec, shared_prefix_requests
 from loadtest.tokens import TokenBlocks
@@ -160,3 +161,15 @@ def test_duplicate_share_counts_second_copies() -> None:
         first = simulate(reqs, "cache_aware", 3, engine, 4, cold_placement=cold)
         again = simulate(reqs, "cache_aware", 3, engine, 4, cold_placement=cold)
         assert first.hit_rate == again.hit_rate and sum(first.requests_per_replica) == len(reqs)
+
+
+def test_a_burst_on_one_prefix_waits_for_its_first_prefill_and_hits_it() -> None:
+    # Four requests on one 512-token prefix arrive together at one replica. The first one's
+    # step leaves room for a second prompt, but the replica's scheduler holds the others back
+    # until the prefix's blocks are cached (wait_for_inflight_prefix), so each of them hits the
+    # whole prefix; admitted beside the first, the second would compute it again.
+    prefix = list(range(10, 522))
+    reqs = [LoadRequest(i, prefix + [600 + i] * 16, 2, planned_time=0.0) for i in range(4)]
+    sim = simulate(reqs, "cache_aware", replicas=1, model=EngineModel(num_blocks=256))
+    assert sim.misses["stale"] == 0
+    assert sim.hit_rate == pytest.approx(3 * 512 / (4 * 528))
