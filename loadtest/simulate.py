@@ -17,7 +17,9 @@ What is real and what is modelled:
   as load, the rendezvous affinity), and the miss attribution (``router.attribution``).
 - **Modelled**: each replica's engine, as ``replica/scheduler.py`` and ``block_manager.py``
   work: FIFO admission under a per-step token budget (``max_num_batched_tokens``, chunked
-  prefill), a waiting request matched against the prefix cache when it is admitted, hits
+  prefill), a waiting request matched against the prefix cache when it is admitted (one whose
+  next block a running request is prefilling waits for it, and the lease's queued tokens leave
+  such reused blocks out), hits
   referenced (out of the LRU order) while it runs, new blocks allocated by evicting the least
   recently used cached block, blocks cached as soon as a chunk fills them, released tail first
   when the request ends; generated tokens take blocks too. The Redis map is exact and instant
@@ -40,6 +42,7 @@ python -m loadtest.simulate --trace ../shared/data/traces/synthetic_trace.jsonl 
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import itertools
 import json
@@ -744,30 +747,18 @@ def _add_simulation_flags(g: Any) -> None:
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loadtest.cli import build_parser
-    from loadtest.workload import build_workload
-
-    parser = build_parser()
-    parser.prog = "python -m loadtest.simulate"
-    _add_simulation_flags(parser.add_argument_group("simulation"))
-    args = parser.parse_args(argv)
-    if args.workload is None:
-        args.workload = "trace" if args.trace else "shared-prefix"
-    requests = build_workload(args)
-    model = EngineModel(
+def engine_model(args: argparse.Namespace) -> EngineModel:
+    """The replicas' engine model from the simulation flags."""
+    return EngineModel(
         args.num_blocks, args.sim_block_size, step_s=args.step_ms / 1e3,
         prefill_s=args.prefill_ms / 1e3, decode_s=args.decode_ms / 1e3, fetch=args.fetch,
         fetch_s_per_block=args.fetch_ms_per_block / 1e3, evict=args.evict,
         evict_window=args.evict_window,
     )  # fmt: skip
-    unl = ceiling(requests, model.block_size).hit_rate
-    cap = ceiling(requests, model.block_size, model.num_blocks * args.replicas).hit_rate
-    print(
-        f"{len(requests)} requests; ceilings: unlimited {unl:.4f}, capacity-aware "
-        f"{cap:.4f} ({model.num_blocks * args.replicas} blocks)"
-    )
-    concurrency = args.concurrency if args.arrival == "closed" else None
+
+
+def policy_factory(args: argparse.Namespace) -> Callable[[str], Policy]:
+    """Policies by name, with the router's balance flags as the simulation flags set them."""
     eps = args.balance_requests_epsilon
 
     def factory(name: str) -> Policy:
@@ -778,6 +769,35 @@ def main(argv: list[str] | None = None) -> int:
             request_cold_epsilon=args.balance_cold_requests_epsilon,
         )  # fmt: skip
 
+    return factory
+
+
+def simulation_parser(prog: str) -> argparse.ArgumentParser:
+    """The load tester's flags (the workload) and the simulator's own."""
+    from loadtest.cli import build_parser
+
+    parser = build_parser()
+    parser.prog = prog
+    _add_simulation_flags(parser.add_argument_group("simulation"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtest.workload import build_workload
+
+    args = simulation_parser("python -m loadtest.simulate").parse_args(argv)
+    if args.workload is None:
+        args.workload = "trace" if args.trace else "shared-prefix"
+    requests = build_workload(args)
+    model = engine_model(args)
+    unl = ceiling(requests, model.block_size).hit_rate
+    cap = ceiling(requests, model.block_size, model.num_blocks * args.replicas).hit_rate
+    print(
+        f"{len(requests)} requests; ceilings: unlimited {unl:.4f}, capacity-aware "
+        f"{cap:.4f} ({model.num_blocks * args.replicas} blocks)"
+    )
+    concurrency = args.concurrency if args.arrival == "closed" else None
+    factory = policy_factory(args)
     for name in (args.compare or "cache_aware").split(","):
         res = simulate(
             requests, name, args.replicas, model, concurrency, factory, args.cold_placement,

@@ -1,0 +1,160 @@
+"""``python -m loadtest.sweep``: the routing simulator on windows spread across a whole trace.
+
+A policy tuned on a trace's first window can still lose hits on a later one, where the mix of
+new and returning prefixes differs (and a held-out trace is judged on windows nobody tuned on).
+This runs ``loadtest.simulate`` on ``--windows`` windows of ``--limit`` requests whose first
+requests are spread evenly over the trace, each under every step model and seed given, and
+prints one row per window: its capacity-aware ceiling, the achieved hit rate over it (mean
+and worst run, and how many runs fell below ``--floor``), the worst max/mean requests per
+replica, and the largest share of blocks lost to each miss kind. The other flags are
+``python -m loadtest.simulate``'s (workload, cluster, policy flags).
+
+```bash
+python -m loadtest.sweep --trace ../shared/data/traces/synthetic_trace.jsonl \
+    --tokens-per-hash-id 16 --max-output-tokens 4 --limit 300 --fetch        # trace arrivals
+python -m loadtest.sweep ... --limit 1000 --arrival closed --concurrency 8 --fetch
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from dataclasses import dataclass
+
+from loadtest.ceilings import ceiling
+from loadtest.simulate import engine_model, policy_factory, simulate, simulation_parser
+from loadtest.trace import read_trace
+from loadtest.workload import SAMPLE_TRACE, build_workload
+from router.attribution import MISS_KINDS
+
+DEFAULT_STEP_MODELS = "20:2:10,10:1:20,30:4:5"
+
+
+@dataclass(frozen=True, slots=True)
+class WindowResult:
+    """One window over every step model and seed."""
+
+    start_s: float  # trace seconds
+    first_request: int  # its index in the trace
+    requests: int
+    capacity_ceiling: float
+    achieved: list[float]  # hit rate over the capacity-aware ceiling, one per run
+    worst_skew: float  # max/mean requests per replica, the worst run
+    worst_miss_share: dict[str, float]  # per miss kind, the largest share of blocks in a run
+
+    def row(self, floor: float) -> dict[str, object]:
+        a = self.achieved
+        return {
+            "start_s": round(self.start_s, 1),
+            "first_request": self.first_request,
+            "requests": self.requests,
+            "capacity_ceiling": round(self.capacity_ceiling, 4),
+            "mean": round(sum(a) / len(a), 3),
+            "worst": round(min(a), 3),
+            "below_floor": sum(x < floor for x in a),
+            "runs": len(a),
+            "worst_skew": round(self.worst_skew, 3),
+            **{k: round(v, 4) for k, v in self.worst_miss_share.items()},
+        }
+
+
+def window_starts(timestamps_ms: list[float], windows: int) -> list[tuple[int, float]]:
+    """``windows`` first requests spread evenly over the trace: (index, trace seconds)."""
+    n = len(timestamps_ms)
+    picks = sorted({i * n // windows for i in range(windows)})
+    return [(i, timestamps_ms[i] / 1000) for i in picks]
+
+
+def step_models(spec: str) -> list[tuple[float, float, float]]:
+    """``step:prefill:decode`` ms triples, comma separated."""
+    out = []
+    for part in spec.split(","):
+        step, prefill, decode = (float(x) for x in part.split(":"))
+        out.append((step, prefill, decode))
+    return out
+
+
+def sweep_window(
+    args: argparse.Namespace, start_s: float, first: int, models: list, seeds: list[int]
+) -> WindowResult:
+    """Every step model and seed on the window from ``start_s``."""
+    achieved: list[float] = []
+    skew = 0.0
+    worst = dict.fromkeys(MISS_KINDS, 0.0)
+    cap = 0.0
+    count = 0
+    for seed in seeds:
+        wargs = copy.copy(args)
+        wargs.trace_start, wargs.seed = start_s, seed
+        requests = build_workload(wargs)
+        count = len(requests)
+        bs = args.sim_block_size
+        cap = ceiling(requests, bs, args.num_blocks * args.replicas).hit_rate
+        concurrency = args.concurrency if args.arrival == "closed" else None
+        for step, prefill, decode in models:
+            wargs.step_ms, wargs.prefill_ms, wargs.decode_ms = step, prefill, decode
+            res = simulate(
+                requests, args.policy_name, args.replicas, engine_model(wargs), concurrency,
+                policy_factory(wargs), args.cold_placement, args.balance_window,
+            )  # fmt: skip
+            achieved.append(res.hit_rate / cap if cap else 1.0)
+            skew = max(skew, res.skew)
+            total = res.misses["cacheable"] or 1
+            for kind in MISS_KINDS:
+                worst[kind] = max(worst[kind], res.misses[kind] / total)
+    return WindowResult(start_s, first, count, cap, achieved, skew, worst)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = simulation_parser("python -m loadtest.sweep")
+    g = parser.add_argument_group("sweep")
+    g.add_argument("--windows", type=int, default=8, help="windows spread over the trace")
+    g.add_argument(
+        "--step-models", default=DEFAULT_STEP_MODELS,
+        help="step:prefill:decode ms per engine step (fixed, per prefilled token, per "
+        "decoding sequence), comma separated; each window runs under every one",
+    )  # fmt: skip
+    g.add_argument("--seeds", default="0,1", help="token seeds, comma separated")
+    g.add_argument("--policy-name", default="cache_aware", help="the policy to sweep")
+    g.add_argument(
+        "--floor", type=float, default=0.9,
+        help="count the runs whose hit rate is below this share of the capacity-aware ceiling",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    args.workload = "trace"
+    if args.limit is None:
+        parser.error("--limit: the window's length in requests")
+    times = [r.timestamp_ms for r in read_trace(args.trace or SAMPLE_TRACE)]
+    models = step_models(args.step_models)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = [
+        sweep_window(args, start_s, first, models, seeds)
+        for first, start_s in window_starts(times, args.windows)
+    ]
+    if args.json:
+        for r in results:
+            print(json.dumps(r.row(args.floor)))
+    else:
+        _print_table(results, args.floor)
+    return 0
+
+
+def _print_table(results: list[WindowResult], floor: float) -> None:
+    kinds = MISS_KINDS[1:]  # compulsory is the same for every policy
+    print(f"| first request (trace s) | requests | capacity-aware ceiling | achieved / ceiling, "
+          f"mean | worst | runs below {floor:g} | worst max/mean requests | worst "
+          f"{' / '.join(kinds)} |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        a = r.achieved
+        misses = " / ".join(f"{100 * r.worst_miss_share[k]:.1f}%" for k in kinds)
+        print(f"| {r.first_request} ({r.start_s:.1f}) | {r.requests} | "
+              f"{100 * r.capacity_ceiling:.1f}% | {sum(a) / len(a):.3f} | {min(a):.3f} | "
+              f"{sum(x < floor for x in a)} of {len(a)} | {r.worst_skew:.2f} | {misses} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

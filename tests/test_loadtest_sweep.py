@@ -1,0 +1,50 @@
+"""``python -m loadtest.sweep``: the simulator on windows spread over a trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import simulate, sweep
+from loadtest.trace import read_trace
+from loadtest.workload import SAMPLE_TRACE
+
+FLAGS = [
+    "--trace",
+    str(SAMPLE_TRACE),
+    "--tokens-per-hash-id",
+    "16",
+    "--max-output-tokens",
+    "4",
+    "--limit",
+    "50",
+    "--fetch",
+]
+
+
+def test_window_starts_spread_evenly_over_the_trace() -> None:
+    times = [0.0, 1000.0, 1000.0, 2500.0, 4000.0, 7000.0, 9000.0, 9500.0]
+    assert sweep.window_starts(times, 4) == [(0, 0.0), (2, 1.0), (4, 4.0), (6, 9.0)]
+    assert sweep.window_starts(times[:2], 4) == [(0, 0.0), (1, 1.0)]  # fewer requests than windows
+
+
+def test_step_models_parse() -> None:
+    assert sweep.step_models("20:2:10,10:1:20") == [(20.0, 2.0, 10.0), (10.0, 1.0, 20.0)]
+
+
+def test_each_window_is_the_simulation_of_that_slice_of_the_trace(capsys) -> None:
+    sweep.main([*FLAGS, "--windows", "2", "--seeds", "0", "--step-models", "20:2:10", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    trace = read_trace(SAMPLE_TRACE)
+    assert [r["first_request"] for r in rows] == [0, len(trace) // 2]
+    assert all(r["requests"] == 50 and r["runs"] == 1 for r in rows)
+    # The second window is what the simulator alone gives from that request's time.
+    start = trace[len(trace) // 2].timestamp_ms / 1000
+    simulate.main([*FLAGS, "--trace-start", str(start), "--json", "--no-progress"])
+    out = capsys.readouterr().out.splitlines()
+    capacity = float(out[0].split("capacity-aware ")[1].split()[0])
+    alone = json.loads(out[1])
+    assert rows[1]["capacity_ceiling"] == pytest.approx(capacity, abs=1e-4)
+    assert rows[1]["worst"] == pytest.approx(alone["of_capacity_ceiling"], abs=1e-3)
+    assert rows[1]["worst_skew"] == pytest.approx(alone["max/mean requests"], abs=1e-3)
