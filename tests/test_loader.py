@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,6 +36,31 @@ def test_transformers_does_not_take_our_kernels_package_for_hugging_faces() -> N
         "kernels/ here shadows: install with pyproject.toml's transformers bound"
     )
     import transformers.activations  # noqa: F401  (the import that failed under 5.25)
+
+
+def test_the_cli_imports_our_kernels_package_ahead_of_a_shadowing_one(tmp_path: Path) -> None:
+    """A ``kernels`` package earlier on ``sys.path`` (Hugging Face's, in site-packages, comes
+    before an editable install's checkout) must not shadow ours once the CLI starts."""
+    shadow = tmp_path / "site" / "kernels"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("SHADOW = True\n")
+    root = Path(__file__).resolve().parents[1]
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import prefixmesh.cli as cli; "
+        "cli.checkout_first() if sys.argv[2] == 'cli' else None; import kernels; "
+        "print(kernels.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+
+    def kernels_found(mode: str) -> Path:
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(shadow.parent), mode], cwd=tmp_path, env=env,
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return Path(out.stdout.strip()).parent
+
+    assert kernels_found("plain") == shadow  # the situation the CLI has to repair
+    assert kernels_found("cli") == root / "kernels"
 
 
 def test_tiny_folder_resolves_as_is(tiny_model_dir: Path, tiny_model_files) -> None:

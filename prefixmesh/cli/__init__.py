@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 # command -> (module, one-line help). Modules are imported lazily so that the router's commands
 # never import torch.
@@ -24,8 +25,20 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def checkout_first() -> None:
+    """Run from a source checkout (an editable install, or ``python -m`` elsewhere), put the
+    checkout first on ``sys.path``. An editable install appends it after site-packages, where
+    Hugging Face's ``kernels`` distribution (which newer transformers require) takes the import
+    name of our ``kernels/`` package: ``prefixmesh bench`` and the replica then failed with
+    "cannot import name 'get_backend' from 'kernels'"."""
+    root = str(Path(__file__).resolve().parents[2])
+    if Path(root, "kernels", "__init__.py").is_file() and sys.path[:1] != [root]:
+        sys.path.insert(0, root)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    checkout_first()
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
