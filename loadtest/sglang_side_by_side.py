@@ -168,6 +168,7 @@ def _loadtest(args: argparse.Namespace, target: str, cluster: str, out: Path) ->
         "loadtest", "--target", target, "--cluster", cluster, "--model", args.served_model,
         "--trace", str(args.trace), "--prompt-format", "text",
         "--tokens-per-hash-id", str(args.tokens_per_hash_id), "--limit", str(args.limit),
+        "--trace-start", str(args.trace_start),
         "--max-output-tokens", str(args.max_tokens), "--arrival", "closed",
         "--concurrency", str(args.concurrency), "--block-size", str(args.block_size),
         "--max-duration", str(args.max_duration), "--no-progress", "--no-plots",
@@ -239,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens-per-hash-id", type=int, default=16)
     p.add_argument("--limit", type=int, default=1000)
+    p.add_argument(
+        "--trace-start", type=float, default=0.0,
+        help="the window's start, in trace seconds (python -m loadtest.sweep lists starts)",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-duration", type=float, default=900.0)
