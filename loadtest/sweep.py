@@ -78,22 +78,26 @@ def step_models(spec: str) -> list[tuple[float, float, float]]:
 
 
 def sweep_window(
-    args: argparse.Namespace, start_s: float, first: int, models: list, seeds: list[int]
+    args: argparse.Namespace,
+    start_s: float,
+    first: int,
+    models: list[tuple[float, float, float]],
+    seeds: list[int],
 ) -> WindowResult:
-    """Every step model and seed on the window from ``start_s``."""
+    """Every step model and seed on the window from ``start_s``. The seeds change the token
+    ids, not which blocks repeat, so every seed has the same ceiling."""
+    concurrency = args.concurrency if args.arrival == "closed" else None
+    capacity = args.num_blocks * args.replicas
     achieved: list[float] = []
     skew = 0.0
     worst = dict.fromkeys(MISS_KINDS, 0.0)
-    cap = 0.0
-    count = 0
+    cap, count = 0.0, 0
     for seed in seeds:
         wargs = copy.copy(args)
         wargs.trace_start, wargs.seed = start_s, seed
         requests = build_workload(wargs)
         count = len(requests)
-        bs = args.sim_block_size
-        cap = ceiling(requests, bs, args.num_blocks * args.replicas).hit_rate
-        concurrency = args.concurrency if args.arrival == "closed" else None
+        cap = ceiling(requests, args.sim_block_size, capacity).hit_rate
         for step, prefill, decode in models:
             wargs.step_ms, wargs.prefill_ms, wargs.decode_ms = step, prefill, decode
             res = simulate(
