@@ -45,17 +45,24 @@ class WindowResult:
     worst_skew: float  # max/mean requests per replica, the worst run
     worst_miss_share: dict[str, float]  # per miss kind, the largest share of blocks in a run
 
-    def row(self, floor: float) -> dict[str, object]:
-        a = self.achieved
+    @property
+    def mean(self) -> float:
+        return sum(self.achieved) / len(self.achieved)
+
+    def below(self, floor: float) -> int:
+        """Runs whose hit rate fell below ``floor`` of the ceiling."""
+        return sum(x < floor for x in self.achieved)
+
+    def row(self, floor: float) -> dict[str, float]:
         return {
             "start_s": round(self.start_s, 1),
             "first_request": self.first_request,
             "requests": self.requests,
             "capacity_ceiling": round(self.capacity_ceiling, 4),
-            "mean": round(sum(a) / len(a), 3),
-            "worst": round(min(a), 3),
-            "below_floor": sum(x < floor for x in a),
-            "runs": len(a),
+            "mean": round(self.mean, 3),
+            "worst": round(min(self.achieved), 3),
+            "below_floor": self.below(floor),
+            "runs": len(self.achieved),
             "worst_skew": round(self.worst_skew, 3),
             **{k: round(v, 4) for k, v in self.worst_miss_share.items()},
         }
@@ -101,7 +108,7 @@ def sweep_window(
         for step, prefill, decode in models:
             wargs.step_ms, wargs.prefill_ms, wargs.decode_ms = step, prefill, decode
             res = simulate(
-                requests, args.policy_name, args.replicas, engine_model(wargs), concurrency,
+                requests, args.compare, args.replicas, engine_model(wargs), concurrency,
                 policy_factory(wargs), args.cold_placement, args.balance_window,
             )  # fmt: skip
             achieved.append(res.hit_rate / cap if cap else 1.0)
@@ -122,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         "decoding sequence), comma separated; each window runs under every one",
     )  # fmt: skip
     g.add_argument("--seeds", default="0,1", help="token seeds, comma separated")
-    g.add_argument("--policy-name", default="cache_aware", help="the policy to sweep")
     g.add_argument(
         "--floor", type=float, default=0.9,
         help="count the runs whose hit rate is below this share of the capacity-aware ceiling",
@@ -131,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args.workload = "trace"
     if args.limit is None:
         parser.error("--limit: the window's length in requests")
+    args.compare = args.compare or "cache_aware"
+    if "," in args.compare:
+        parser.error("--compare: one policy per sweep")
     times = [r.timestamp_ms for r in read_trace(args.trace or SAMPLE_TRACE)]
     models = step_models(args.step_models)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -153,11 +162,10 @@ def _print_table(results: list[WindowResult], floor: float) -> None:
           f"{' / '.join(kinds)} |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        a = r.achieved
         misses = " / ".join(f"{100 * r.worst_miss_share[k]:.1f}%" for k in kinds)
         print(f"| {r.first_request} ({r.start_s:.1f}) | {r.requests} | "
-              f"{100 * r.capacity_ceiling:.1f}% | {sum(a) / len(a):.3f} | {min(a):.3f} | "
-              f"{sum(x < floor for x in a)} of {len(a)} | {r.worst_skew:.2f} | {misses} |")  # fmt: skip
+              f"{100 * r.capacity_ceiling:.1f}% | {r.mean:.3f} | {min(r.achieved):.3f} | "
+              f"{r.below(floor)} of {len(r.achieved)} | {r.worst_skew:.2f} | {misses} |")  # fmt: skip
 
 
 if __name__ == "__main__":
