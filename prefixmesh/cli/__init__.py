@@ -31,9 +31,10 @@ def checkout_first() -> None:
     Hugging Face's ``kernels`` distribution (which newer transformers require) takes the import
     name of our ``kernels/`` package: ``prefixmesh bench`` and the replica then failed with
     "cannot import name 'get_backend' from 'kernels'"."""
-    root = str(Path(__file__).resolve().parents[2])
-    if Path(root, "kernels", "__init__.py").is_file() and sys.path[:1] != [root]:
-        sys.path.insert(0, root)
+    root = Path(__file__).resolve().parents[2]
+    checkout = (root / "pyproject.toml").is_file() and (root / "kernels" / "__init__.py").is_file()
+    if checkout and sys.path[:1] != [str(root)]:  # not site-packages of a wheel install
+        sys.path.insert(0, str(root))
 
 
 def main(argv: list[str] | None = None) -> int:
