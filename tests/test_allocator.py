@@ -47,16 +47,19 @@ def _minor_faults(mode: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt is Linux-only")
 def test_activations_reuse_heap_memory_instead_of_page_faulting():
-    # Measured: 100,000-116,000 minor faults with glibc's defaults, 7,000-10,000 with the
-    # thresholds raised. A fault count is a property of one run (another process can disturb
-    # it: one run in many counted 12,893 with the defaults), so a miss is measured once more.
-    tries = []
-    for _ in range(2):
-        off, on = _minor_faults("off"), _minor_faults("on")
-        tries.append((on, off))
-        if on * 4 < off:
+    # Measured: 100,000-118,000 minor faults with glibc's defaults, 7,000-13,000 with the
+    # thresholds raised. The defaults' count depends on the heap's layout, which Python's
+    # random hash seed changes: about one start in six lands where glibc's own dynamic
+    # threshold keeps the memory too (12,700-14,200 faults; the same every time with that
+    # seed). So the defaults are measured up to four times, each start with a new seed, and
+    # the largest count is the baseline.
+    offs, ons = [], []
+    for _ in range(4):
+        offs.append(_minor_faults("off"))
+        ons.append(_minor_faults("on"))
+        if min(ons) * 4 < max(offs):
             break
-    assert on * 4 < off, tries
+    assert min(ons) * 4 < max(offs), list(zip(ons, offs, strict=True))
 
 
 def test_the_switch_turns_it_off(monkeypatch):
