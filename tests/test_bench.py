@@ -163,7 +163,46 @@ def test_breakdown_parts_add_up_to_the_step(tiny_model_dir):
     assert abs(sum(result[f"{p}_ms"] for p in parts) - result["step_ms"]) < 1e-6
     assert result["gemm_floor_ms"] > 0 and result["logits_floor_ms"] > 0
     assert result["attention_floor_ms"] is None or result["attention_floor_ms"] > 0
+    in_place = result["attention_floor_in_place_ms"]
+    assert in_place is None or in_place > 0
     engine.abort_all()
+    engine.check_integrity()
+
+
+def test_measuring_a_step_changes_nothing_the_engine_computes(tiny_model_dir):
+    """The timing wrappers and the attention floor's reads in place leave every token as an
+    unmeasured run has it (float32, greedy)."""
+    from replica import LLM
+    from replica.bench.breakdown import engine_steps, measure_decode_step, start_decoding
+    from replica.bench.timing import random_prompts
+    from replica.sampling_params import SamplingParams
+
+    prompts = random_prompts(4, 20, 300)
+    steps = 3
+    max_tokens = engine_steps(steps) + 6
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    expected = [
+        out.outputs[0].token_ids
+        for out in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    ]
+    engine = llm.engine
+    tokens: dict[str, list[int]] = {}
+    real_step = engine.step
+
+    def step():
+        deltas = real_step()
+        for delta in deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        return deltas
+
+    engine.step = step
+    start_decoding(engine, prompts, max_tokens=max_tokens)
+    measure_decode_step(engine, steps=steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [tokens[rid] for rid in sorted(tokens, key=lambda r: int(r.split("-")[1]))] == expected
     engine.check_integrity()
 
 

@@ -8,7 +8,9 @@ A wrapper adds about a microsecond a call, on ~150 calls a step.
 
 The floors, measured in the same process: the matmuls alone at the step's shapes with the same
 packed weights (best of three, as ``matmul_floor``), and one read of every key and value the
-step attends to, through the same block tables (``read_kv_once`` of kernels/cpu_ops.py).
+step attends to, through the same block tables (``read_kv_once`` of kernels/cpu_ops.py): once
+for all layers back to back, and once in place, each layer's read just before its attention
+call, where the layer's matmuls have just streamed its weights through the caches and the TLB.
 """
 
 from __future__ import annotations
@@ -86,6 +88,40 @@ def attention_floor_s(engine) -> float | None:
     return seconds_per_call(read_all, 3, best=True)
 
 
+def attention_floor_in_place_s(engine, steps: int) -> float | None:
+    """Seconds a step's one read of its keys and values takes where the step reads them.
+
+    ``attention_floor_s`` reads every layer's caches back to back. In a step each layer's
+    attention comes after its matmuls, which stream the layer's weights through the caches and
+    the TLB. Here ``steps`` more decode steps run with each layer's caches read once
+    (``read_kv_once``, timed) just before its attention (untimed; its output is unchanged), so
+    the read finds the caches as the kernel does. Mean seconds per step; None without the
+    extension."""
+    from kernels import cpu_ops
+
+    kernels = cpu_ops.load()
+    if kernels is None or not engine.scheduler.running:
+        return None
+    attention = engine.runner.model.attention
+    real_attend = attention.attend
+    total = 0.0
+
+    def attend(query, k_cache, v_cache, meta, scale):
+        nonlocal total
+        start = time.perf_counter()
+        kernels.read_kv_once(k_cache, v_cache, meta.block_tables, meta.seq_lens)
+        total += time.perf_counter() - start
+        return real_attend(query, k_cache, v_cache, meta, scale)
+
+    attention.attend = attend
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        del attention.attend
+    return total / steps
+
+
 @contextmanager
 def _timed_parts(engine, totals: dict[str, float]):
     """Wrap the model's matmuls, attention and forward, and the sampler, adding to ``totals``."""
@@ -122,9 +158,17 @@ def _timed_parts(engine, totals: dict[str, float]):
         del model.attention.attend, model.forward, engine.sampler.sample
 
 
+def engine_steps(steps: int) -> int:
+    """Engine steps ``measure_decode_step(engine, steps)`` runs: the timed ones, then as many
+    for the attention floor in place. Its sequences need that many tokens left."""
+    return 2 * steps
+
+
 def measure_decode_step(engine, steps: int) -> dict:
-    """Time ``steps`` engine steps part by part; the engine must be decoding all its sequences
-    (no prefill left). Returns milliseconds per step for each part and floor."""
+    """Time ``steps`` engine steps part by part, then the attention floor in place over as many
+    more; the engine must be decoding all its sequences (no prefill left) and each needs
+    ``engine_steps(steps)`` tokens left. Returns milliseconds per step for each part and
+    floor."""
     num_seqs = len(engine.scheduler.running)
     model = engine.runner.model
     gemm_floor, head_floor = layers_floor_s(model, num_seqs), head_floor_s(model, num_seqs)
@@ -136,6 +180,7 @@ def measure_decode_step(engine, steps: int) -> dict:
             engine.step()
         step_s = time.perf_counter() - start
     ms = {name: 1000 * value / steps for name, value in totals.items()}
+    in_place = attention_floor_in_place_s(engine, steps)
     result = {
         "num_seqs": num_seqs,
         "steps": steps,
@@ -151,6 +196,7 @@ def measure_decode_step(engine, steps: int) -> dict:
         "gemm_floor_ms": 1000 * gemm_floor,
         "logits_floor_ms": 1000 * head_floor,
         "attention_floor_ms": None if attention_floor is None else 1000 * attention_floor,
+        "attention_floor_in_place_ms": None if in_place is None else 1000 * in_place,
     }
     result["host_ms"] = result["step_ms"] - ms.get("forward", 0.0) - result["sampling_ms"]
     # The LM head is a GEMM too: what is left is the goal of the engine-speed work (<= 10 ms).
@@ -188,6 +234,10 @@ def print_breakdown(result: dict) -> None:
         value, floor = result[f"{part}_ms"], floors.get(part)
         shown = f"{floor:8.1f} {value / floor:7.2f}x" if floor else f"{'-':>8s} {'-':>8s}"
         print(f"  {LABELS[part]:62s} {value:8.1f} {shown}")
+    in_place = result.get("attention_floor_in_place_ms")
+    if in_place:  # the same read where the kernel does it (attention_floor_in_place_s)
+        label = "  attention against its floor in place (read before each call)"
+        print(f"  {label:62s} {'':8s} {in_place:8.1f} {result['attention_ms'] / in_place:7.2f}x")
     print(
         "  everything outside GEMMs (LM head included) and attention: "
         f"{result['outside_gemm_and_attention_ms']:.1f} ms a step"

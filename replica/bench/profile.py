@@ -18,7 +18,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from replica.bench.breakdown import measure_decode_step, print_breakdown, start_decoding
+from replica.bench.breakdown import (
+    engine_steps,
+    measure_decode_step,
+    print_breakdown,
+    start_decoding,
+)
 from replica.bench.timing import make_llm, random_prompts
 
 HELP = "profile a decode step: its parts against their floors, and torch.profiler's table"
@@ -85,7 +90,7 @@ def run(args) -> dict:
     llm = make_llm(args, max_num_seqs=max(256, args.num_prompts))
     engine = llm.engine
     prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size)
-    start_decoding(engine, prompts, max_tokens=args.steps + args.profiled_steps + 8)
+    start_decoding(engine, prompts, max_tokens=engine_steps(args.steps) + args.profiled_steps + 8)
     result = measure_decode_step(engine, args.steps)
     print_breakdown(result)
     with kernel_ranges(engine), profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from replica.bench.breakdown import (
+    engine_steps,
     head_floor_s,
     layers_floor_s,
     measure_decode_step,
@@ -86,7 +87,7 @@ def run(args) -> dict:
         )
     if args.breakdown_steps:
         engine.reset_prefix_cache()
-        start_decoding(engine, prompts, max_tokens=args.breakdown_steps + 8)
+        start_decoding(engine, prompts, max_tokens=engine_steps(args.breakdown_steps) + 8)
         result["breakdown"] = measure_decode_step(engine, args.breakdown_steps)
         print_breakdown(result["breakdown"])
         llm.engine.abort_all()
