@@ -290,6 +290,10 @@ class LLMEngine:
             if not request.scheduled:
                 request.scheduled = True
                 self._newly_scheduled.append(request.request_id)
+        # The blocks scheduling evicted, reported now: a router stops counting on them while
+        # the forward runs (a prefill step can take a second), and the report stays apart from
+        # the blocks this step stores, which may include the same hashes computed again.
+        self._flush_kv_events()
         with self.during_forward():  # reads block tables only: the pool may change meanwhile
             logits, sample_idx = self.runner.execute(sched)
         if sched.host_blocks_to_free:

@@ -557,3 +557,47 @@ def test_a_queued_request_keeps_the_prefix_it_was_sent_for(tiny_model_dir):
     engine.check_integrity()
     assert got == solo
     assert cached == 64  # "long" took 7 blocks: the 4 free ones and 3 of the other prompt's
+
+
+def test_published_block_events_keep_the_cached_set_exact_when_a_step_recomputes_an_evicted_block(
+    tiny_model_dir,
+):
+    # A step's scheduling evicts cached blocks; its forward may store the same hashes again (a
+    # request whose prefix that eviction cut short recomputes it). The engine reports the
+    # evictions before the forward, apart from what the step stores, so a mirror applying
+    # each report in order (prefixmesh's KVEventBuffer + net_changes) ends with the block
+    # held. Reported together, the removal would win and the mirror would lose the block.
+    from replica.server.kv_publisher import net_changes
+
+    rng = random.Random(21)
+    p = [rng.randrange(5, 400) for _ in range(64)]  # 4 blocks
+    q = [rng.randrange(5, 400) for _ in range(128)]  # 8 blocks
+    llm = make_llm(tiny_model_dir, num_kv_blocks=20, max_num_seqs=2)
+    engine = llm.engine
+    mirror: set[bytes] = set()
+    reports: list[tuple[list[bytes], list[bytes]]] = []
+
+    def report(stored, removed):
+        reports.append((list(stored), list(removed)))
+        added, gone = net_changes([(list(stored), list(removed))])
+        mirror.difference_update(gone)
+        mirror.update(added)
+
+    engine.set_kv_event_callback(report)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    run_greedy(llm, [p + [1]], one)
+    run_greedy(llm, [q + [1]], one)  # 12 blocks cached, 8 free
+    assert mirror == engine.cached_block_hashes()
+    engine.add_request("b", [rng.randrange(5, 400) for _ in range(150)], one)  # 10 blocks
+    engine.add_request("c", p + [9, 9, 9], one)  # p's prefix, marked used on arrival
+    engine.add_request("d", q + [9], one)  # q's, later: p's blocks are the oldest
+    before = len(reports)
+    engine.step()  # b takes the 8 free blocks and 2 of p's; c recomputes them
+    step_reports = reports[before:]
+    removed = {h for _, gone in step_reports for h in gone}
+    stored = {h for kept, _ in step_reports for h in kept}
+    assert removed & stored, "the step should recompute a block its scheduling evicted"
+    assert mirror == engine.cached_block_hashes()
+    run_until_done(engine, "d")
+    assert mirror == engine.cached_block_hashes()
+    engine.check_integrity()
