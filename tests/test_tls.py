@@ -295,8 +295,10 @@ def test_up_serves_every_door_over_tls(tiny_model_dir: Path, tmp_path: Path):
         with grpc.insecure_channel(router) as ch, pytest.raises(grpc.RpcError) as err:
             _generate(ch)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        output = log_path.read_text()
-        assert f"--tls-ca {pki['ca']}" in output  # the banner's examples carry the CA
+        # The banner's examples carry the CA. `up` prints it once the router lists the replica,
+        # which its own poll may see a moment after the requests above were served.
+        output = _wait_for_text(log_path, f"--tls-ca {pki['ca']}", timeout_s=60)
+        assert f"--tls-ca {pki['ca']}" in output, output[-2000:]
         replica = output.split("replica-0 is SERVING on ")[1].split()[0]
         # The replica wants the client certificate that `up` gave the router.
         with (
@@ -314,3 +316,13 @@ def test_up_serves_every_door_over_tls(tiny_model_dir: Path, tmp_path: Path):
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait()
+
+
+def _wait_for_text(path: Path, text: str, timeout_s: float) -> str:
+    """``path``'s contents once they hold ``text``, or as they are after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while text not in (contents := path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return contents
