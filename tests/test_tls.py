@@ -7,6 +7,7 @@ are generated in the test with ``cryptography``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -258,7 +259,7 @@ def test_up_serves_every_door_over_tls(tiny_model_dir: Path, tmp_path: Path):
     import os
     import signal
 
-    from helpers import free_port
+    from helpers import free_port, wait_until
 
     from prefixmesh.cli.procs import wait_serving
 
@@ -297,8 +298,11 @@ def test_up_serves_every_door_over_tls(tiny_model_dir: Path, tmp_path: Path):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # The banner's examples carry the CA. `up` prints it once the router lists the replica,
         # which its own poll may see a moment after the requests above were served.
-        output = _wait_for_text(log_path, f"--tls-ca {pki['ca']}", timeout_s=60)
-        assert f"--tls-ca {pki['ca']}" in output, output[-2000:]
+        banner = f"--tls-ca {pki['ca']}"
+        with contextlib.suppress(TimeoutError):  # the assertion below shows the log
+            wait_until([], lambda: banner in log_path.read_text(), "up's banner", timeout=60)
+        output = log_path.read_text()
+        assert banner in output, output[-2000:]
         replica = output.split("replica-0 is SERVING on ")[1].split()[0]
         # The replica wants the client certificate that `up` gave the router.
         with (
@@ -316,13 +320,3 @@ def test_up_serves_every_door_over_tls(tiny_model_dir: Path, tmp_path: Path):
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait()
-
-
-def _wait_for_text(path: Path, text: str, timeout_s: float) -> str:
-    """``path``'s contents once they hold ``text``, or as they are after ``timeout_s``."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while text not in (contents := path.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return contents
