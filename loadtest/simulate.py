@@ -28,9 +28,13 @@ What is real and what is modelled:
   beats the prefill (``fetch_s_per_block``, 5 ms a transfer). ``--evict dup`` / ``fetched``
   let a replica evict first a cached block another replica also holds (known exactly, or only
   for blocks it fetched), ``--cold-placement oldest`` sends a prefix no replica holds to the
-  pool whose eviction for it loses the longest-unused blocks: what-ifs the replicas and router
-  do not do (docs/benchmarks.md, "Duplicates and eviction"). Step time = ``step_s + prefill_s
-  x prefill tokens + decode_s x decoding sequences``: constants, not measured per step.
+  pool whose eviction for it loses the longest-unused blocks, ``tree`` to the replica the
+  fewest distinct blocks were sent to: what-ifs the replicas and router do not do
+  (docs/benchmarks.md, "Duplicates and eviction"). ``--compare sglang_cache_aware`` runs a
+  model of sglang-router's policy (``SglangCacheAwareModel``) in the router's place, without
+  fetching, as sglang-router sends no fetch hint (docs/benchmarks.md, "sglang-router's policy
+  in the simulator"). Step time = ``step_s + prefill_s x prefill tokens + decode_s x decoding
+  sequences``: constants, not measured per step.
 
 ```bash
 python -m loadtest.simulate --trace ../shared/data/traces/synthetic_trace.jsonl \
@@ -72,6 +76,7 @@ from router.prompt import fallback_affinity
 _MODEL = "sim"
 _ROUTER = RouterConfig()  # the router's defaults, which the simulation flags share
 EVICT_POLICIES = ("lru", "dup", "fetched")
+COLD_PLACEMENTS = ("policy", "oldest", "tree")
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,13 +460,66 @@ class SimResult:
         return max(n) / (sum(n) / len(n)) if sum(n) else 0.0
 
 
+class SglangCacheAwareModel:
+    """A model of sglang-router's ``cache_aware`` policy (0.3.x, its defaults), to compare
+    placements in the simulator: a peer's policy, not one the router offers.
+
+    sglang-router keeps an approximate radix tree of the prompts it sent to each worker, never
+    told of a worker's evictions (its own trim, 64 M characters a worker, is far beyond these
+    windows), and counts each worker's requests in flight. Unless the load is imbalanced (the
+    busiest worker has more than ``balance_abs`` requests over the idlest and more than
+    ``balance_rel`` times its count: then the idlest), a request whose longest prefix match
+    covers more than ``cache_threshold`` of the prompt goes to the worker holding that match,
+    and any other to the worker whose tree is smallest. Here the tree is each replica's set of
+    block hashes routed to it (a chained hash names its whole prefix) and the match is in
+    blocks, where sglang-router matches characters.
+    """
+
+    name = "sglang_cache_aware"
+
+    def __init__(
+        self,
+        replicas: int,
+        cache_threshold: float = 0.3,
+        balance_abs: int = 64,
+        balance_rel: float = 1.5,
+    ) -> None:
+        self.trees: list[set[bytes]] = [set() for _ in range(replicas)]
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+
+    def choose(
+        self, hashes: Sequence[bytes], prompt_len: int, block_size: int, running: Sequence[int]
+    ) -> int:
+        """The replica index for a request, and the request joins its tree."""
+        most, least = max(running), min(running)
+        if most - least > self.balance_abs and most > least * self.balance_rel:
+            chosen = running.index(least)
+        else:
+            matches = []
+            for tree in self.trees:
+                n = 0
+                while n < len(hashes) and hashes[n] in tree:
+                    n += 1
+                matches.append(n)
+            best = max(matches)
+            if prompt_len and best * block_size / prompt_len > self.cache_threshold:
+                chosen = matches.index(best)
+            else:
+                sizes = [len(t) for t in self.trees]
+                chosen = sizes.index(min(sizes))
+        self.trees[chosen].update(hashes)
+        return chosen
+
+
 class Simulation:
     """One policy over one workload: a discrete-event loop over arrivals and engine steps."""
 
     def __init__(
         self,
         requests: Sequence[LoadRequest],
-        policy: Policy,
+        policy: Policy | SglangCacheAwareModel,
         replicas: int = 3,
         model: EngineModel = EngineModel(),
         concurrency: int | None = None,
@@ -488,6 +546,7 @@ class Simulation:
         self.attribution = MissAttribution()
         self.decisions: dict[str, int] = {}
         self.recent = RecentRequests(balance_window)
+        self.routed: list[set[bytes]] = [set() for _ in range(replicas)]  # blocks ever sent
         bs = model.block_size
         self.reqs = [
             SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt or None))
@@ -531,15 +590,20 @@ class Simulation:
         else:  # as router.prompt.fallback_affinity: the prompt itself
             affinity = fallback_affinity(r.req.token_ids, str(r.req.index))
         rr = RouteRequest(r.prompt_len, len(r.hashes), bs, r.req.max_tokens, affinity)
-        d = self.policy.choose(rr, cands)
+        if isinstance(self.policy, SglangCacheAwareModel):
+            running = [len(p.waiting) + len(p.running) for p in self.replicas]
+            d = decide(rr, cands, cands[self.policy.choose(r.hashes, r.prompt_len, bs, running)])
+        else:
+            d = self.policy.choose(rr, cands)
         if (
             best == 0
-            and self.cold_placement == "oldest"
+            and self.cold_placement != "policy"
             and isinstance(self.policy, CacheAwarePolicy)
         ):
             d = self._place_cold(rr, r, cands)
         i = next(k for k, c in enumerate(cands) if c.replica_id == d.replica_id)
         chosen = cands[i]
+        self.routed[i].update(r.hashes)
         self.decisions[d.outcome] = self.decisions.get(d.outcome, 0) + 1
         rep = self.replicas[i]
         self.recent.add(rep.id)
@@ -552,8 +616,8 @@ class Simulation:
         others = max((c.matched_blocks for c in cands if c is not chosen), default=0)
         r.misses = self.attribution.pending(r.hashes, r.prompt_len, bs, chosen.matched_blocks,
                                             others)  # fmt: skip
-        if self.model.fetch:
-            self._fetch(r, rep)
+        if self.model.fetch and not isinstance(self.policy, SglangCacheAwareModel):
+            self._fetch(r, rep)  # a replica fetches only what the router's hint names
         rep.waiting.append(r)
         if rep.busy_until is None:
             rep.busy_until = now
@@ -561,15 +625,22 @@ class Simulation:
 
     def _place_cold(self, rr: RouteRequest, r: SimRequest, cands: list[Candidate]) -> Decision:
         """A prefix no replica holds goes, among the replicas within the load bound, to the one
-        whose pool would evict the longest-unused blocks for it: the cluster then evicts about
-        what one LRU of its size would."""
+        whose pool would evict the longest-unused blocks for it (``oldest``: the cluster then
+        evicts about what one LRU of its size would), or to the one the fewest distinct blocks
+        were ever sent to (``tree``: sglang-router's rule for a request with no good match)."""
         assert isinstance(self.policy, CacheAwarePolicy)
         total = sum(c.load for c in cands)
         ok = [c for c in cands if self.policy.within_bound(rr, c, total, len(cands))] or cands
+        index = {rep.id: k for k, rep in enumerate(self.replicas)}
         need = -(-r.total // self.model.block_size)
-        by_id = {rep.id: rep for rep in self.replicas}
-        chosen = min(ok, key=lambda c: (by_id[c.replica_id].pool.eviction_age(need), c.load))
-        return decide(rr, cands, chosen)
+
+        def rank(c: Candidate) -> tuple[float, int]:
+            k = index[c.replica_id]
+            if self.cold_placement == "tree":  # as sglang-router: the fewest blocks ever sent
+                return len(self.routed[k]), c.load
+            return self.replicas[k].pool.eviction_age(need), c.load
+
+        return decide(rr, cands, min(ok, key=rank))
 
     def _fetch(self, r: SimRequest, rep: ReplicaSim) -> None:
         """As a replica before it submits: copy the leading blocks the peer holding most of
@@ -670,7 +741,10 @@ def simulate(
     cold_placement: str = "policy",
     balance_window: int = 256,
 ) -> SimResult:
-    p = policy_factory(policy) if isinstance(policy, str) else policy
+    if policy == SglangCacheAwareModel.name:
+        p: Policy | SglangCacheAwareModel = SglangCacheAwareModel(replicas)
+    else:
+        p = policy_factory(policy) if isinstance(policy, str) else policy
     sim = Simulation(
         requests, p, replicas, model, concurrency, cold_placement=cold_placement,
         balance_window=balance_window,
@@ -740,9 +814,10 @@ def _add_simulation_flags(g: Any) -> None:
         help="dup / fetched: look this far into the LRU order for a duplicate (0: all of it)",
     )  # fmt: skip
     g.add_argument(
-        "--cold-placement", choices=("policy", "oldest"), default="policy",
-        help="cache_aware: where a prefix no replica holds goes: the policy's choice, or the "
-        "replica within the load bound whose pool evicts the longest-unused blocks for it",
+        "--cold-placement", choices=COLD_PLACEMENTS, default="policy",
+        help="cache_aware: where a prefix no replica holds goes: the policy's choice; the "
+        "replica within the load bound whose pool evicts the longest-unused blocks for it "
+        "(oldest); or the one the fewest distinct blocks were sent to (tree)",
     )  # fmt: skip
     g.add_argument("--json", action="store_true", help="one JSON line per policy")
 

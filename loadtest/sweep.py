@@ -6,8 +6,8 @@ This runs ``loadtest.simulate`` on ``--windows`` windows of ``--limit`` requests
 requests are spread evenly over the trace, each under every step model and seed given, and
 prints one row per window: its capacity-aware ceiling, the achieved hit rate over it (mean
 and worst run, and how many runs fell below ``--floor``), the worst max/mean requests per
-replica, and the largest share of blocks lost to each miss kind. The other flags are
-``python -m loadtest.simulate``'s (workload, cluster, policy flags).
+replica, the largest share of blocks lost to each miss kind, and the median run's TTFT p50.
+The other flags are ``python -m loadtest.simulate``'s (workload, cluster, policy flags).
 
 ```bash
 python -m loadtest.sweep --trace ../shared/data/traces/synthetic_trace.jsonl \
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -44,10 +45,16 @@ class WindowResult:
     achieved: list[float]  # hit rate over the capacity-aware ceiling, one per run
     worst_skew: float  # max/mean requests per replica, the worst run
     worst_miss_share: dict[str, float]  # per miss kind, the largest share of blocks in a run
+    ttft_p50_s: list[float]  # each run's TTFT p50 (simulated seconds)
 
     @property
     def mean(self) -> float:
         return sum(self.achieved) / len(self.achieved)
+
+    @property
+    def ttft(self) -> float:
+        """The median run's TTFT p50."""
+        return statistics.median(self.ttft_p50_s)
 
     def below(self, floor: float) -> int:
         """Runs whose hit rate fell below ``floor`` of the ceiling."""
@@ -64,6 +71,7 @@ class WindowResult:
             "below_floor": self.below(floor),
             "runs": len(self.achieved),
             "worst_skew": round(self.worst_skew, 3),
+            "ttft_p50_s": round(self.ttft, 3),
             **{k: round(v, 4) for k, v in self.worst_miss_share.items()},
         }
 
@@ -96,6 +104,7 @@ def sweep_window(
     concurrency = args.concurrency if args.arrival == "closed" else None
     capacity = args.num_blocks * args.replicas
     achieved: list[float] = []
+    ttft: list[float] = []
     skew = 0.0
     worst = dict.fromkeys(MISS_KINDS, 0.0)
     cap, count = 0.0, 0
@@ -112,11 +121,12 @@ def sweep_window(
                 policy_factory(wargs), args.cold_placement, args.balance_window,
             )  # fmt: skip
             achieved.append(res.hit_rate / cap if cap else 1.0)
+            ttft.append(res.ttft_p50_s)
             skew = max(skew, res.skew)
             total = res.misses["cacheable"] or 1
             for kind in MISS_KINDS:
                 worst[kind] = max(worst[kind], res.misses[kind] / total)
-    return WindowResult(start_s, first, count, cap, achieved, skew, worst)
+    return WindowResult(start_s, first, count, cap, achieved, skew, worst, ttft)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,13 +169,14 @@ def _print_table(results: list[WindowResult], floor: float) -> None:
     kinds = MISS_KINDS[1:]  # compulsory is the same for every policy
     print(f"| first request (trace s) | requests | capacity-aware ceiling | achieved / ceiling, "
           f"mean | worst | runs below {floor:g} | worst max/mean requests | worst "
-          f"{' / '.join(kinds)} |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          f"{' / '.join(kinds)} | TTFT p50, median run |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         misses = " / ".join(f"{100 * r.worst_miss_share[k]:.1f}%" for k in kinds)
         print(f"| {r.first_request} ({r.start_s:.1f}) | {r.requests} | "
               f"{100 * r.capacity_ceiling:.1f}% | {r.mean:.3f} | {min(r.achieved):.3f} | "
-              f"{r.below(floor)} of {len(r.achieved)} | {r.worst_skew:.2f} | {misses} |")  # fmt: skip
+              f"{r.below(floor)} of {len(r.achieved)} | {r.worst_skew:.2f} | {misses} | "
+              f"{r.ttft:.2f} s |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.ceilings import ceiling
 from loadtest.request import LoadRequest
-from loadtest.simulate import BlockPool, EngineModel, simulate
+from loadtest.simulate import BlockPool, EngineModel, SglangCacheAwareModel, simulate
 from loadtest.synthetic import SharedPrefixSpec, shared_prefix_requests
 from loadtest.tokens import TokenBlocks
 from loadtest.trace import TraceOptions, trace_requests
@@ -173,3 +173,50 @@ def test_a_burst_on_one_prefix_waits_for_its_first_prefill_and_hits_it() -> None
     sim = simulate(reqs, "cache_aware", replicas=1, model=EngineModel(num_blocks=256))
     assert sim.misses["stale"] == 0
     assert sim.hit_rate == pytest.approx(3 * 512 / (4 * 528))
+
+
+def test_the_sglang_router_model_routes_as_sglang_router_does() -> None:
+    model = SglangCacheAwareModel(3)
+    idle = [0, 0, 0]
+    first = [b"a", b"b", b"c", b"d"]
+    assert model.choose(first, 64, 16, idle) == 0  # every tree empty: the first smallest
+    assert model.choose([b"x", b"y"], 32, 16, idle) == 1  # no match: the smallest tree
+    # A match over cache_threshold (0.3) of the prompt goes to the tree holding it, even when
+    # that tree is the largest and its worker the busiest (not imbalanced: 3 - 0 <= 64).
+    assert model.choose([b"a", b"b", b"e", b"f"], 64, 16, [3, 0, 0]) == 0
+    # A match at or under the threshold (1 block of 4: 0.25) is no match.
+    assert model.choose([b"a", b"g", b"h", b"i"], 64, 16, idle) == 2
+    # Imbalanced (over 64 requests apart and over 1.5x): the idlest, whatever the match.
+    assert model.choose(first, 64, 16, [100, 90, 30]) == 2
+    assert model.trees[2] >= set(first)  # the request joined the tree it was sent to
+
+
+def test_the_sglang_router_model_and_cold_placement_by_tree_run_in_the_simulation() -> None:
+    reqs, model = _hot_groups()
+    fetching = dataclasses.replace(model, fetch=True)
+    sglang = simulate(reqs, "sglang_cache_aware", 3, fetching, concurrency=4)
+    assert sglang.policy == "sglang_cache_aware"
+    assert sum(sglang.requests_per_replica) == len(reqs)
+    # Every group's later requests match over the threshold where the first one went.
+    assert sglang.misses["elsewhere"] == 0
+    assert sglang.hit_rate > simulate(reqs, "round_robin", 3, model, concurrency=4).hit_rate
+    first = simulate(reqs, "cache_aware", 3, model, 4, cold_placement="tree")
+    again = simulate(reqs, "cache_aware", 3, model, 4, cold_placement="tree")
+    assert first.hit_rate == again.hit_rate and sum(first.requests_per_replica) == len(reqs)
+
+
+def test_the_sglang_router_model_fetches_nothing() -> None:
+    # The second request shares one block of ten with the first: no match (0.1 <= 0.3), so it
+    # goes to the smallest tree, away from the block. The replicas would fetch it when the
+    # router names its holder, which sglang-router never does: it is computed again.
+    shared = list(range(1, 17))
+    reqs = [
+        LoadRequest(i, shared + [100 * (i + 1) + t for t in range(144)], 1, planned_time=i)
+        for i in range(2)
+    ]
+    fetching = EngineModel(num_blocks=256, fetch=True)
+    sglang = simulate(reqs, "sglang_cache_aware", 3, fetching, concurrency=1)
+    assert sglang.requests_per_replica[:2] == [1, 1]
+    assert sglang.fetched_tokens == 0 and sglang.misses["elsewhere"] == 1
+    ours = simulate(reqs, "round_robin", 3, fetching, concurrency=1)  # sent away too: fetches
+    assert ours.fetched_tokens == 16 and ours.misses["elsewhere"] == 0

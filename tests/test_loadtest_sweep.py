@@ -48,3 +48,4 @@ def test_each_window_is_the_simulation_of_that_slice_of_the_trace(capsys) -> Non
     assert rows[1]["capacity_ceiling"] == pytest.approx(capacity, abs=1e-4)
     assert rows[1]["worst"] == pytest.approx(alone["of_capacity_ceiling"], abs=1e-3)
     assert rows[1]["worst_skew"] == pytest.approx(alone["max/mean requests"], abs=1e-3)
+    assert rows[1]["ttft_p50_s"] == pytest.approx(alone["ttft_p50_s"], abs=0.01)
