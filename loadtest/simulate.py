@@ -19,7 +19,7 @@ What is real and what is modelled:
   work: FIFO admission under a per-step token budget (``max_num_batched_tokens``, chunked
   prefill), a waiting request matched against the prefix cache when it is admitted (one whose
   next block a running request is prefilling waits for it, and the lease's queued tokens leave
-  such reused blocks out), hits
+  such reused blocks out; its cached prefix is marked used when it arrives), hits
   referenced (out of the LRU order) while it runs, new blocks allocated by evicting the least
   recently used cached block, blocks cached as soon as a chunk fills them, released tail first
   when the request ends; generated tokens take blocks too. The Redis map is exact and instant
@@ -276,6 +276,14 @@ class BlockPool:
                 self.lru.move_to_end(h)
         return held
 
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Mark cached blocks (a prefix, in order) as just used, tail first, as
+        ``BlockManager.touch`` does for an arriving request; referenced ones stay as they are."""
+        for h in reversed(hashes):
+            if h in self.lru:
+                self.lru.move_to_end(h)
+                self.lru[h] = self.clock
+
     def release(self, held: Sequence[bytes], unhashed: int) -> None:
         """A request ended: its cached blocks rejoin the LRU order tail first."""
         self.unhashed -= unhashed
@@ -342,6 +350,12 @@ class ReplicaSim:
         cacheable = (r.prompt_len - 1) // self.model.block_size
         hits = self.leading(r.hashes[:cacheable])
         return hits < cacheable and r.hashes[hits] in inflight
+
+    def keep_prefix(self, r: SimRequest) -> None:
+        """As the scheduler does for an arriving request (``Scheduler._keep_prefix``): its
+        cached prefix goes to the young end of the LRU order while it waits its turn."""
+        cacheable = r.hashes[: (r.prompt_len - 1) // self.model.block_size]
+        self.pool.touch(cacheable[: self.leading(cacheable)])
 
     def leading(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -618,6 +632,7 @@ class Simulation:
                                             others)  # fmt: skip
         if self.model.fetch and not isinstance(self.policy, SglangCacheAwareModel):
             self._fetch(r, rep)  # a replica fetches only what the router's hint names
+        rep.keep_prefix(r)
         rep.waiting.append(r)
         if rep.busy_until is None:
             rep.busy_until = now

@@ -220,3 +220,21 @@ def test_the_sglang_router_model_fetches_nothing() -> None:
     assert sglang.fetched_tokens == 0 and sglang.misses["elsewhere"] == 1
     ours = simulate(reqs, "round_robin", 3, fetching, concurrency=1)  # sent away too: fetches
     assert ours.fetched_tokens == 16 and ours.misses["elsewhere"] == 0
+
+
+def test_a_queued_request_keeps_the_prefix_it_was_routed_for() -> None:
+    # As the replica's scheduler does (Scheduler._keep_prefix): a request (R) that arrives
+    # while a long prompt (L) fills the pool marks its cached prefix used, so L evicts the
+    # blocks nobody waits for (B's) instead of the older ones R came for (A's). Without it, R
+    # hits nothing and 9 blocks are evicted.
+    prefix = list(range(1, 65))
+    reqs = [
+        LoadRequest(0, [*prefix, 1000], 1, planned_time=0.0),  # A
+        LoadRequest(1, list(range(2000, 2065)), 1, planned_time=1.0),  # B
+        LoadRequest(2, list(range(3000, 3576)), 1, planned_time=2.0),  # L: 36 blocks and more
+        LoadRequest(3, [*prefix, *range(9000, 9016)], 1, planned_time=2.0001),  # R, queued
+    ]
+    engine = EngineModel(num_blocks=40, max_num_batched_tokens=64)
+    sim = simulate(reqs, "round_robin", replicas=1, model=engine)
+    assert sim.evicted_blocks == 5
+    assert sim.hit_rate == pytest.approx(64 / (65 + 65 + 576 + 80))
