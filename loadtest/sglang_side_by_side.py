@@ -3,10 +3,10 @@
 ``python -m loadtest.sglang_side_by_side --sglang-python /tmp/sgl-venv/bin/python`` starts
 Redis, ``--replicas`` replicas (each with an OpenAI HTTP port) and our router (gRPC + HTTP),
 then, for each router in ``--order``, replays the same trace requests as text prompts
-(``prefixmesh loadtest --prompt-format text``, closed loop) through that router's OpenAI HTTP
-door: sglang-router (``python -m sglang_router.launch_router --policy cache_aware`` in front
-of the replicas' HTTP ports, from the virtual environment of ``--sglang-python``; none of it is
-a project dependency) or ours. Hit rates come from the replicas' own usage
+(``prefixmesh loadtest --prompt-format text``, a closed loop, or the trace's own arrival times
+with ``--arrival trace``) through that router's OpenAI HTTP door: sglang-router (``python -m
+sglang_router.launch_router --policy cache_aware`` in front of the replicas' HTTP ports, from
+the virtual environment of ``--sglang-python``; none of it is a project dependency) or ours. Hit rates come from the replicas' own usage
 (``prompt_tokens_details.cached_tokens``), so they compare across routers.
 
 Every run starts cold: each sends a fresh ``cache_salt`` (the load tester's default), and
@@ -163,18 +163,26 @@ def _start_sglang(
     return proc, url
 
 
-def _loadtest(args: argparse.Namespace, target: str, cluster: str, out: Path) -> dict:
-    argv = _cli(
+def loadtest_argv(args: argparse.Namespace, target: str, cluster: str, out: Path) -> list[str]:
+    """The load tester's command for one router: the same workload and arrivals for both."""
+    if args.arrival == "closed":
+        arrival = ["--arrival", "closed", "--concurrency", str(args.concurrency)]
+    else:  # the trace's own times, ``--speedup`` times faster
+        arrival = ["--arrival", "trace", "--speedup", str(args.speedup)]
+    return _cli(
         "loadtest", "--target", target, "--cluster", cluster, "--model", args.served_model,
         "--trace", str(args.trace), "--prompt-format", "text",
         "--tokens-per-hash-id", str(args.tokens_per_hash_id), "--limit", str(args.limit),
         "--trace-start", str(args.trace_start),
-        "--max-output-tokens", str(args.max_tokens), "--arrival", "closed",
-        "--concurrency", str(args.concurrency), "--block-size", str(args.block_size),
+        "--max-output-tokens", str(args.max_tokens), *arrival,
+        "--block-size", str(args.block_size),
         "--max-duration", str(args.max_duration), "--no-progress", "--no-plots",
         "--out", str(out),
     )  # fmt: skip
-    subprocess.run(argv, cwd=ROOT, check=True)
+
+
+def _loadtest(args: argparse.Namespace, target: str, cluster: str, out: Path) -> dict:
+    subprocess.run(loadtest_argv(args, target, cluster, out), cwd=ROOT, check=True)
     return json.loads((out / "summary.json").read_text())
 
 
@@ -245,7 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the window's start, in trace seconds (python -m loadtest.sweep lists starts)",
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--arrival", choices=("closed", "trace"), default="closed",
+        help="closed: a closed loop of --concurrency; trace: the trace's own arrival times",
+    )  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    p.add_argument(
+        "--speedup", type=float, default=1.0, help="trace arrivals: this many times faster"
+    )
     p.add_argument("--max-duration", type=float, default=900.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=Path("loadtest-results/sglang-side-by-side"))

@@ -1,0 +1,27 @@
+"""``python -m loadtest.sglang_side_by_side``: both routers get the same load tester command.
+(The comparison itself needs sglang-router, which is not a project dependency.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loadtest import sglang_side_by_side as sbs
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_a_closed_loop_by_default_and_trace_arrivals_on_request() -> None:
+    closed = sbs.build_parser().parse_args(["--limit", "300", "--concurrency", "4"])
+    argv = sbs.loadtest_argv(closed, "127.0.0.1:1", "127.0.0.1:2", Path("o"))
+    assert _flag(argv, "--arrival") == "closed" and _flag(argv, "--concurrency") == "4"
+    assert "--speedup" not in argv and _flag(argv, "--limit") == "300"
+    assert _flag(argv, "--prompt-format") == "text"
+
+    paced = sbs.build_parser().parse_args(
+        ["--arrival", "trace", "--speedup", "2", "--trace-start", "781.6"]
+    )
+    argv = sbs.loadtest_argv(paced, "127.0.0.1:1", "127.0.0.1:2", Path("o"))
+    assert _flag(argv, "--arrival") == "trace" and _flag(argv, "--speedup") == "2.0"
+    assert "--concurrency" not in argv and _flag(argv, "--trace-start") == "781.6"
