@@ -814,6 +814,14 @@ def _add_simulation_flags(g: Any) -> None:
         "--balance-window", type=int, default=_ROUTER.balance_window, help="as the router's flag"
     )
     g.add_argument(
+        "--saturation-tokens", type=int, default=_ROUTER.saturation_tokens,
+        help="as the router's flag",
+    )  # fmt: skip
+    g.add_argument(
+        "--duplicate-weight", type=float, default=_ROUTER.duplicate_weight,
+        help="as the router's flag (0: off)",
+    )  # fmt: skip
+    g.add_argument(
         "--fetch", action="store_true",
         help="replicas fetch a prefix a peer holds when that beats prefilling it (docs/fetch.md)",
     )  # fmt: skip
@@ -857,6 +865,7 @@ def policy_factory(args: argparse.Namespace) -> Callable[[str], Policy]:
             request_epsilon=eps if eps >= 0 else None,
             fetch_weight=args.fetch_weight if args.fetch_weight >= 0 else None,
             request_cold_epsilon=args.balance_cold_requests_epsilon,
+            saturation_tokens=args.saturation_tokens, duplicate_weight=args.duplicate_weight,
         )  # fmt: skip
 
     return factory

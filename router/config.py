@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 from prefixmesh import limits, settings, tenants, tls
 from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS
-from router.policy import COLD_REQUEST_EPSILON, POLICIES, fetch_knob
+from router.policy import (
+    COLD_REQUEST_EPSILON,
+    DUPLICATE_WEIGHT,
+    POLICIES,
+    SATURATION_TOKENS,
+    fetch_knob,
+)
 
 _LIMITS = limits.RequestLimits()
 MAP_SOURCES = ("mirror", "redis")
@@ -62,6 +68,8 @@ class RouterConfig:
     tie_tokens: int = 32
     prefill_weight: float = 8.0
     fetch_weight: str = "off"
+    saturation_tokens: int = SATURATION_TOKENS
+    duplicate_weight: float = DUPLICATE_WEIGHT
     predicted_ttl_ms: int = 5000
     predicted_settle_ms: int = 1000
     default_max_tokens: int = DEFAULT_MAX_TOKENS
@@ -126,6 +134,12 @@ _HELP: dict[str, str] = {
     "weight times what fetching a token costs that replica against prefilling it, as it "
     "measures and publishes in its lease (a replica that does not fetch: a full prefill); "
     "a number = that weight for every replica; off = such tokens cost a full prefill",
+    "saturation_tokens": "the cluster is saturated while every replica has at least this many "
+    "tokens queued (load, as for --balance-epsilon); then --duplicate-weight applies",
+    "duplicate_weight": "under saturation, the extra cost of one prompt token that another "
+    "replica holds or is computing on a replica that would compute it again, in the units of "
+    "--prefill-weight's queued tokens (0 = off): a hot prefix stays on its busy replica "
+    "instead of being computed twice while every queue is long",
     "predicted_ttl_ms": "how long a routing decision counts as 'this replica will hold the "
     "prefix' before the replica's own KV events confirm it (renewed while the request waits "
     "for its first token)",
@@ -189,6 +203,10 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         problems.append(f"--port must be in [0, 65535] (got {config.port})")
     if config.balance_epsilon < 0:
         problems.append(f"--balance-epsilon must be >= 0 (got {config.balance_epsilon})")
+    if config.saturation_tokens < 0:
+        problems.append(f"--saturation-tokens must be >= 0 (got {config.saturation_tokens})")
+    if config.duplicate_weight < 0:
+        problems.append(f"--duplicate-weight must be >= 0 (got {config.duplicate_weight})")
     if config.balance_window < 1:
         problems.append(f"--balance-window must be >= 1 (got {config.balance_window})")
     if config.max_attempts < 1:

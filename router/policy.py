@@ -21,6 +21,14 @@ prefix is not prefilled again), which is what lets a burst stay on its warm repl
 load leaves out the prefill of blocks that are only *predicted* there (an earlier request of the
 same burst is computing them: that queued work is shared, not waited on twice).
 
+**Saturation** (cache_aware): once every replica has at least ``saturation_tokens`` queued, a
+prompt token that another replica holds or is computing costs ``duplicate_weight`` more on a
+replica that would compute it again. Moving a request off its prefix then adds work that every
+queued request waits for and saves the request little, as its wait is long anywhere. Without
+this the cost model moved such requests to a shorter queue, and under overload that lost hits
+and did not lower the median TTFT (docs/benchmarks.md, "sglang-router's policy in the
+simulator").
+
 **Bounded load** (cache_aware): a replica is eligible only if, with this request added,
 ``load + w <= (1 + epsilon) * (total load + w) / N + slack`` (``w`` = the tokens this request
 adds there). The least-loaded replica always qualifies when nothing else does, so no replica
@@ -65,6 +73,12 @@ WARM, SPILLOVER, COLD, FALLBACK = "warm", "spillover", "cold", "fallback"
 # epsilon``): measured against 0 and the bound's own 0.2 (docs/benchmarks.md, "Cold requests
 # keep nearer the mean").
 COLD_REQUEST_EPSILON = 0.1
+# Saturation (``--saturation-tokens``, ``--duplicate-weight``): once every replica has this many
+# tokens queued (eight steps of the replicas' default 1,024-token budget), a prompt token that
+# another replica holds or is computing costs this much more where it would be computed again
+# (docs/benchmarks.md, "sglang-router's policy in the simulator").
+SATURATION_TOKENS = 8192
+DUPLICATE_WEIGHT = 16.0
 
 
 class RouteRequest(NamedTuple):
@@ -233,6 +247,8 @@ class CacheAwarePolicy(Policy):
         fetch_auto: bool = False,
         request_min: int = 32,
         request_cold_epsilon: float = COLD_REQUEST_EPSILON,
+        saturation_tokens: int = SATURATION_TOKENS,
+        duplicate_weight: float = DUPLICATE_WEIGHT,
     ) -> None:
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
@@ -252,6 +268,10 @@ class CacheAwarePolicy(Policy):
         self.fetch_weight = fetch_weight  # None: a prefix held elsewhere costs a full prefill
         # Without a fixed weight: each replica's own measured cost (Candidate.fetch_cost).
         self.fetch_auto = fetch_auto and fetch_weight is None
+        # When every replica is queueing, a prefix computed twice is work every queued request
+        # waits for, while moving the request saves it little: its wait is long anywhere.
+        self.saturation_tokens = saturation_tokens
+        self.duplicate_weight = duplicate_weight
 
     @classmethod
     def create(cls, **knobs: float) -> CacheAwarePolicy:
@@ -262,6 +282,8 @@ class CacheAwarePolicy(Policy):
             knobs["prefill_weight"], bound if bound >= 0 else None,
             fetch_weight=fetch if fetch >= 0 else None, fetch_auto=fetch == FETCH_AUTO,
             request_cold_epsilon=knobs.get("request_cold_epsilon", COLD_REQUEST_EPSILON),
+            saturation_tokens=int(knobs.get("saturation_tokens", SATURATION_TOKENS)),
+            duplicate_weight=knobs.get("duplicate_weight", DUPLICATE_WEIGHT),
         )  # fmt: skip
 
     def _fetch_weight(self, candidate: Candidate) -> float | None:
@@ -282,10 +304,23 @@ class CacheAwarePolicy(Policy):
             return None
         return candidate.empty_blocks * request.block_size
 
-    def cost(self, request: RouteRequest, candidate: Candidate, held_blocks: int = 0) -> float:
+    def saturated(self, candidates: Sequence[Candidate]) -> bool:
+        """Every replica has at least ``saturation_tokens`` of work queued."""
+        return min(c.load for c in candidates) >= self.saturation_tokens
+
+    def cost(
+        self,
+        request: RouteRequest,
+        candidate: Candidate,
+        held_blocks: int = 0,
+        duplicated_blocks: int = 0,
+    ) -> float:
         """Prefill still owed there plus its load; with ``fetch_weight``, prompt tokens another
         replica holds (``held_blocks``, the most any replica has cached) cost a fetch instead
-        (with the auto weight, as many as fit in the replica's empty blocks)."""
+        (with the auto weight, as many as fit in the replica's empty blocks). Under saturation
+        the caller passes ``duplicated_blocks``, the most any replica holds or is computing:
+        each of those tokens this replica would compute again costs ``duplicate_weight``
+        more."""
         hit = hit_tokens(request, candidate.matched_blocks)
         uncached = request.prompt_tokens - hit
         fetchable = 0
@@ -304,6 +339,8 @@ class CacheAwarePolicy(Policy):
         prefill = self.prefill_weight * (uncached - fetchable)
         if fetchable:
             prefill += (fetch_weight or 0.0) * fetchable
+        duplicated = max(0, hit_tokens(request, duplicated_blocks) - hit)
+        prefill += self.duplicate_weight * duplicated
         return prefill + max(0, candidate.load - shared)
 
     def within_bound(
@@ -333,7 +370,8 @@ class CacheAwarePolicy(Policy):
         numbers computed once, as this runs on every request."""
         pt, bs, decode = request.prompt_tokens, request.block_size, request.decode_tokens
         rows = []  # (candidate, load, hit tokens of its matched blocks, of its cached blocks)
-        total = recent = held = 0
+        total = recent = held = matched_hit = 0
+        least = None
         for c in candidates:
             load = max(c.inflight_tokens, c.queued_tokens)
             matched = max(c.cached_blocks, c.predicted_blocks)
@@ -346,6 +384,8 @@ class CacheAwarePolicy(Policy):
             total += load
             recent += c.recent_requests
             held = max(held, c.cached_blocks)
+            matched_hit = max(matched_hit, hit)
+            least = load if least is None else min(least, load)
         n = len(rows)
         grow, slack = 1.0 + self.epsilon, self.slack_tokens
         bound = self.request_epsilon if recent >= self.request_min else None
@@ -367,6 +407,8 @@ class CacheAwarePolicy(Policy):
             eligible = [min(rows, key=lambda row: (row[1], row[0].recent_requests))]
         prefill_weight = self.prefill_weight
         held_hit = max(0, min(held * bs, pt - 1)) if pt > 0 else 0
+        saturated = least is not None and least >= self.saturation_tokens
+        duplicate_weight = self.duplicate_weight if saturated else 0.0
         costs = []
         for c, load, hit, hit_cached in eligible:
             fetch_weight = self._fetch_weight(c)
@@ -376,6 +418,8 @@ class CacheAwarePolicy(Policy):
             prefill = prefill_weight * (pt - hit - fetchable)
             if fetchable:
                 prefill += (fetch_weight or 0.0) * fetchable
+            if duplicate_weight:
+                prefill += duplicate_weight * (matched_hit - hit)
             costs.append(prefill + max(0, load - (hit - hit_cached)))
         cutoff = min(costs) + self.tie_tokens
         tied = [row for row, cost in zip(eligible, costs) if cost <= cutoff]
@@ -400,6 +444,8 @@ def make_policy(
     request_epsilon: float | None = None,
     fetch_weight: float | str | None = None,
     request_cold_epsilon: float = COLD_REQUEST_EPSILON,
+    saturation_tokens: int = SATURATION_TOKENS,
+    duplicate_weight: float = DUPLICATE_WEIGHT,
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
@@ -409,6 +455,7 @@ def make_policy(
         prefill_weight=prefill_weight,
         request_epsilon=-1.0 if request_epsilon is None else request_epsilon,
         fetch_weight=fetch_knob(fetch_weight), request_cold_epsilon=request_cold_epsilon,
+        saturation_tokens=saturation_tokens, duplicate_weight=duplicate_weight,
     )  # fmt: skip
 
 

@@ -168,6 +168,7 @@ class Router:
             tie_tokens=c.tie_tokens, prefill_weight=c.prefill_weight,
             request_epsilon=c.balance_requests_epsilon if c.balance_requests_epsilon >= 0 else None,
             fetch_weight=c.fetch_weight, request_cold_epsilon=c.balance_cold_requests_epsilon,
+            saturation_tokens=c.saturation_tokens, duplicate_weight=c.duplicate_weight,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------

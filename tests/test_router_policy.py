@@ -291,7 +291,8 @@ def _reference_choose(policy: CacheAwarePolicy, request: RouteRequest, candidate
     if not eligible:
         eligible = [min(candidates, key=lambda c: (c.load, c.recent_requests))]
     held = max(c.cached_blocks for c in candidates)
-    costs = {c.replica_id: policy.cost(request, c, held) for c in eligible}
+    duplicated = max(c.matched_blocks for c in candidates) if policy.saturated(candidates) else 0
+    costs = {c.replica_id: policy.cost(request, c, held, duplicated) for c in eligible}
     best = min(costs.values())
     tied = [c for c in eligible if costs[c.replica_id] <= best + policy.tie_tokens]
     chosen = max(tied, key=lambda c: (c.matched_blocks, rendezvous(request.affinity, c.replica_id)))
@@ -319,6 +320,8 @@ def test_cache_aware_choose_decides_as_the_reference(seed: int) -> None:
         CacheAwarePolicy(request_epsilon=0.2, request_slack=0, request_min=0),
         CacheAwarePolicy(request_epsilon=0.3, request_min=0, request_cold_epsilon=0.1),
         CacheAwarePolicy(epsilon=0.5, tie_tokens=32, prefill_weight=8.0, fetch_auto=True),
+        CacheAwarePolicy(prefill_weight=8.0, saturation_tokens=100, duplicate_weight=4.0),
+        CacheAwarePolicy(saturation_tokens=0, duplicate_weight=16.0, fetch_weight=1.0),
     ]
     for _ in range(400):
         prompt = rng.choice([0, 1, 15, 16, 17, 64, 320, 1024])
@@ -377,3 +380,24 @@ def test_auto_fetch_weight_is_each_replicas_measured_fetch_cost() -> None:
     assert fetch_knob("auto") == FETCH_AUTO and fetch_knob("1.5") == 1.5
     with pytest.raises(ValueError, match="auto, off or a number"):
         fetch_knob("-1")
+
+
+def test_under_saturation_a_request_stays_where_its_prefix_is_being_computed() -> None:
+    # A is computing the request's 1,024-token prefix for an earlier request (predicted, not
+    # cached) behind a long queue; B's queue is 11,000 tokens shorter. Moving the request saves
+    # it that wait at the price of computing the prefix twice.
+    request = RouteRequest(1024, 64, BS, 16)
+    policy = CacheAwarePolicy(prefill_weight=8.0)  # saturation at 8,192 queued tokens
+    holder = Candidate("a", 0, 64, 20_000)
+
+    def choice(other_load: int, p: CacheAwarePolicy = policy) -> str:
+        return p.choose(request, [holder, Candidate("b", 0, 0, other_load)]).replica_id
+
+    assert choice(8_000) == "b"  # B is not queueing that long: the cluster is not saturated
+    # Every queue is past 8,192 tokens: the 1,023 tokens B would compute again cost 16 more each.
+    assert choice(9_000) == "a"
+    off = CacheAwarePolicy(prefill_weight=8.0, duplicate_weight=0.0)
+    assert choice(9_000, off) == "b"
+    assert policy.cost(request, Candidate("b", 0, 0, 9_000), duplicated_blocks=64) == (
+        8 * 1024 + 16 * 1023 + 9_000
+    )

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig, parse_config
 from router.echo_replica import EchoReplica, expected_output, token_text
+from router.routing import Router
 from router.server import RouterServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,6 +114,12 @@ def test_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert config.balance_epsilon == 0.25 and config.policy == "round_robin"
     with pytest.raises(SystemExit):
         parse_config(["--policy", "fastest"])
+    saturation = parse_config(["--saturation-tokens", "4096", "--duplicate-weight", "0"])
+    assert saturation.saturation_tokens == 4096 and saturation.duplicate_weight == 0.0
+    policy = Router.make_policy(SimpleNamespace(config=saturation), "cache_aware")
+    assert policy.saturation_tokens == 4096 and policy.duplicate_weight == 0.0
+    with pytest.raises(SystemExit):
+        parse_config(["--duplicate-weight", "-1"])
 
 
 @pytest.mark.parametrize("map_source", ["mirror", "redis"])
