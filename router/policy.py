@@ -26,8 +26,7 @@ prompt token that another replica holds or is computing costs ``duplicate_weight
 replica that would compute it again. Moving a request off its prefix then adds work that every
 queued request waits for and saves the request little, as its wait is long anywhere. Without
 this the cost model moved such requests to a shorter queue, and under overload that lost hits
-and did not lower the median TTFT (docs/benchmarks.md, "sglang-router's policy in the
-simulator").
+and did not lower the median TTFT (docs/benchmarks.md, "Saturation: a duplicate costs more").
 
 **Bounded load** (cache_aware): a replica is eligible only if, with this request added,
 ``load + w <= (1 + epsilon) * (total load + w) / N + slack`` (``w`` = the tokens this request
@@ -76,7 +75,7 @@ COLD_REQUEST_EPSILON = 0.1
 # Saturation (``--saturation-tokens``, ``--duplicate-weight``): once every replica has this many
 # tokens queued (eight steps of the replicas' default 1,024-token budget), a prompt token that
 # another replica holds or is computing costs this much more where it would be computed again
-# (docs/benchmarks.md, "sglang-router's policy in the simulator").
+# (docs/benchmarks.md, "Saturation: a duplicate costs more").
 SATURATION_TOKENS = 8192
 DUPLICATE_WEIGHT = 16.0
 
@@ -306,7 +305,7 @@ class CacheAwarePolicy(Policy):
 
     def saturated(self, candidates: Sequence[Candidate]) -> bool:
         """Every replica has at least ``saturation_tokens`` of work queued."""
-        return min(c.load for c in candidates) >= self.saturation_tokens
+        return min((c.load for c in candidates), default=0) >= self.saturation_tokens
 
     def cost(
         self,
@@ -371,7 +370,6 @@ class CacheAwarePolicy(Policy):
         pt, bs, decode = request.prompt_tokens, request.block_size, request.decode_tokens
         rows = []  # (candidate, load, hit tokens of its matched blocks, of its cached blocks)
         total = recent = held = matched_hit = 0
-        least = None
         for c in candidates:
             load = max(c.inflight_tokens, c.queued_tokens)
             matched = max(c.cached_blocks, c.predicted_blocks)
@@ -385,7 +383,6 @@ class CacheAwarePolicy(Policy):
             recent += c.recent_requests
             held = max(held, c.cached_blocks)
             matched_hit = max(matched_hit, hit)
-            least = load if least is None else min(least, load)
         n = len(rows)
         grow, slack = 1.0 + self.epsilon, self.slack_tokens
         bound = self.request_epsilon if recent >= self.request_min else None
@@ -407,7 +404,7 @@ class CacheAwarePolicy(Policy):
             eligible = [min(rows, key=lambda row: (row[1], row[0].recent_requests))]
         prefill_weight = self.prefill_weight
         held_hit = max(0, min(held * bs, pt - 1)) if pt > 0 else 0
-        saturated = least is not None and least >= self.saturation_tokens
+        saturated = min(row[1] for row in rows) >= self.saturation_tokens
         duplicate_weight = self.duplicate_weight if saturated else 0.0
         costs = []
         for c, load, hit, hit_cached in eligible:
