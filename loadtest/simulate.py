@@ -794,33 +794,20 @@ def _add_simulation_flags(g: Any) -> None:
     g.add_argument("--prefill-ms", type=float, default=2.0, help="per prefilled token")
     g.add_argument("--decode-ms", type=float, default=10.0, help="per decoding sequence")
     g.add_argument("--step-ms", type=float, default=20.0, help="fixed cost of an engine step")
-    g.add_argument(
-        "--balance-epsilon", type=float, default=_ROUTER.balance_epsilon,
-        help="as the router's flag",
-    )  # fmt: skip
-    g.add_argument(
-        "--prefill-weight", type=float, default=_ROUTER.prefill_weight,
-        help="as the router's flag",
-    )  # fmt: skip
-    g.add_argument(
-        "--balance-requests-epsilon", type=float, default=_ROUTER.balance_requests_epsilon,
-        help="as the router's flag (negative: off)",
-    )  # fmt: skip
-    g.add_argument(
-        "--balance-cold-requests-epsilon", type=float,
-        default=_ROUTER.balance_cold_requests_epsilon, help="as the router's flag",
-    )  # fmt: skip
-    g.add_argument(
-        "--balance-window", type=int, default=_ROUTER.balance_window, help="as the router's flag"
-    )
-    g.add_argument(
-        "--saturation-tokens", type=int, default=_ROUTER.saturation_tokens,
-        help="as the router's flag",
-    )  # fmt: skip
-    g.add_argument(
-        "--duplicate-weight", type=float, default=_ROUTER.duplicate_weight,
-        help="as the router's flag (0: off)",
-    )  # fmt: skip
+    # The router's policy knobs, with its defaults (router/config.py).
+    for name, kind, note in (
+        ("balance_epsilon", float, ""),
+        ("prefill_weight", float, ""),
+        ("balance_requests_epsilon", float, " (negative: off)"),
+        ("balance_cold_requests_epsilon", float, ""),
+        ("balance_window", int, ""),
+        ("saturation_tokens", int, ""),
+        ("duplicate_weight", float, " (0: off)"),
+    ):
+        g.add_argument(
+            "--" + name.replace("_", "-"), type=kind, default=getattr(_ROUTER, name),
+            help="as the router's flag" + note,
+        )  # fmt: skip
     g.add_argument(
         "--fetch", action="store_true",
         help="replicas fetch a prefix a peer holds when that beats prefilling it (docs/fetch.md)",
