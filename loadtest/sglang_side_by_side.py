@@ -6,8 +6,9 @@ then, for each router in ``--order``, replays the same trace requests as text pr
 (``prefixmesh loadtest --prompt-format text``, a closed loop, or the trace's own arrival times
 with ``--arrival trace``) through that router's OpenAI HTTP door: sglang-router (``python -m
 sglang_router.launch_router --policy cache_aware`` in front of the replicas' HTTP ports, from
-the virtual environment of ``--sglang-python``; none of it is a project dependency) or ours. Hit rates come from the replicas' own usage
-(``prompt_tokens_details.cached_tokens``), so they compare across routers.
+the virtual environment of ``--sglang-python``; none of it is a project dependency) or ours.
+Hit rates come from the replicas' own usage (``prompt_tokens_details.cached_tokens``), so they
+compare across routers.
 
 Every run starts cold: each sends a fresh ``cache_salt`` (the load tester's default), and
 blocks of different salts never match, while the earlier run's blocks, all older, are the
