@@ -52,7 +52,7 @@ import itertools
 import json
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,9 @@ from router.prompt import fallback_affinity
 
 _MODEL = "sim"
 _ROUTER = RouterConfig()  # the router's defaults, which the simulation flags share
+# The replica's --waiting-prefix-share default (replica/config.py, which the load tester does
+# not import: docs/design.md; tests/test_loadtest_simulate.py checks the two agree).
+WAITING_PREFIX_SHARE = 0.5
 EVICT_POLICIES = ("lru", "dup", "fetched")
 COLD_PLACEMENTS = ("policy", "oldest", "tree")
 
@@ -98,6 +101,9 @@ class EngineModel:
     # Which cached block a new one evicts (BlockPool): the replica's LRU, or duplicates first.
     evict: str = "lru"
     evict_window: int = 0  # dup / fetched: how far into the LRU order to look (0: all of it)
+    # A waiting request keeps its cached prefix, evicted only after every unkept block, up to
+    # this share of the pool (the replica's --waiting-prefix-share; 0: touched on arrival only).
+    waiting_prefix_share: float = WAITING_PREFIX_SHARE
 
 
 @dataclass(slots=True)
@@ -116,6 +122,7 @@ class SimRequest:
     held_tokens: int = 0  # router in-flight tokens held on its replica
     misses: PendingMisses | None = None
     predicted: list[bytes] = field(default_factory=list)  # hashes the router predicted for it
+    kept: list[bytes] = field(default_factory=list)  # its cached prefix, kept while it waits
 
     @property
     def prompt_len(self) -> int:
@@ -162,6 +169,7 @@ class BlockPool:
         self.parents = parents if parents is not None else {}
         self.children: dict[bytes, int] = {}  # cached children here, per parent hash
         self.marked: set[bytes] = set()  # fetched from a peer: it held them too
+        self.kept: dict[bytes, int] = {}  # hash -> waiting requests keeping it (evicted last)
 
     def holds(self, h: bytes) -> bool:
         return h in self.refs or h in self.lru
@@ -202,15 +210,25 @@ class BlockPool:
         """The cached block to evict next (None: none outside ``keep``)."""
         if not self.lru:
             return None
-        oldest = next(iter(self.lru))
+        oldest = next(self._eviction_order())
         if self.evict != "lru":
             window = self.evict_window or len(self.lru)
-            for h in itertools.islice(self.lru, window):
+            for h in itertools.islice(self._eviction_order(), window):
                 if h not in keep and h not in self.children and self._duplicated(h):
                     if h != oldest:
                         self.evicted_out_of_turn += 1
                     return h
         return None if oldest in keep else oldest
+
+    def _eviction_order(self) -> Iterator[bytes]:
+        """Cached blocks in the order they go: least recently used first, but the blocks a
+        waiting request keeps only after every other (as ``BlockManager.allocate``)."""
+        if not self.kept:
+            return iter(self.lru)
+        kept = self.kept
+        return itertools.chain(
+            (h for h in self.lru if h not in kept), (h for h in self.lru if h in kept)
+        )
 
     def eviction_age(self, n: int) -> float:
         """When the newest of the blocks that ``n`` new ones would evict (in LRU order) was
@@ -353,9 +371,25 @@ class ReplicaSim:
 
     def keep_prefix(self, r: SimRequest) -> None:
         """As the scheduler does for an arriving request (``Scheduler._keep_prefix``): its
-        cached prefix goes to the young end of the LRU order while it waits its turn."""
+        cached prefix goes to the young end of the LRU order and, while the kept blocks stay
+        within ``waiting_prefix_share`` of the pool, is kept until the request is admitted."""
         cacheable = r.hashes[: (r.prompt_len - 1) // self.model.block_size]
-        self.pool.touch(cacheable[: self.leading(cacheable)])
+        prefix = cacheable[: self.leading(cacheable)]
+        self.pool.touch(prefix)
+        limit = self.model.waiting_prefix_share * self.pool.num_blocks
+        if prefix and len(self.pool.kept) + len(prefix) <= limit:
+            for h in prefix:
+                self.pool.kept[h] = self.pool.kept.get(h, 0) + 1
+            r.kept = list(prefix)
+
+    def _release_kept(self, r: SimRequest) -> None:
+        for h in r.kept:
+            n = self.pool.kept[h] - 1
+            if n:
+                self.pool.kept[h] = n
+            else:
+                del self.pool.kept[h]
+        r.kept = []
 
     def leading(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -375,6 +409,7 @@ class ReplicaSim:
         taken = sum(1 for h in r.hashes[:hits] if h in self.pool.lru)
         if self.pool.available() - taken < needed:
             return None
+        self._release_kept(r)
         for h in r.hashes[:hits]:
             self.pool.reference(h)
         r.held = list(r.hashes[:hits])
@@ -824,6 +859,11 @@ def _add_simulation_flags(g: Any) -> None:
         help="dup / fetched: look this far into the LRU order for a duplicate (0: all of it)",
     )  # fmt: skip
     g.add_argument(
+        "--waiting-prefix-share", type=float, default=WAITING_PREFIX_SHARE,
+        help="as the replica's flag: a waiting request keeps its cached prefix, evicted only "
+        "after every block nobody waits for, up to this share of the pool (0: touched only)",
+    )  # fmt: skip
+    g.add_argument(
         "--cold-placement", choices=COLD_PLACEMENTS, default="policy",
         help="cache_aware: where a prefix no replica holds goes: the policy's choice; the "
         "replica within the load bound whose pool evicts the longest-unused blocks for it "
@@ -838,7 +878,7 @@ def engine_model(args: argparse.Namespace) -> EngineModel:
         args.num_blocks, args.sim_block_size, step_s=args.step_ms / 1e3,
         prefill_s=args.prefill_ms / 1e3, decode_s=args.decode_ms / 1e3, fetch=args.fetch,
         fetch_s_per_block=args.fetch_ms_per_block / 1e3, evict=args.evict,
-        evict_window=args.evict_window,
+        evict_window=args.evict_window, waiting_prefix_share=args.waiting_prefix_share,
     )  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 Every block is in exactly one of three states:
 - free: no owner, no hash (in ``_free``),
 - cached: no owner but holds the KV of a known block hash, reusable until evicted
-  least-recently-used (in ``_evictable``, oldest first),
+  least-recently-used (in ``_evictable``, oldest first; or in ``_kept``, see below),
 - in use: referenced by one or more sequences' block tables (``ref_count > 0``), hashed or not.
 
 A block gets its hash (and remembers its token ids, which a peer fetching it needs) once it is
@@ -11,7 +11,12 @@ full of computed tokens; identical content computed twice keeps the first block 
 copy. A cached block is never written again, so a block pinned by a reference (a sequence, or a
 transfer to a peer replica) holds the same KV until it is released. A request's cached prefix
 counts as used when the request arrives (``touch``, from ``Scheduler.add``), not only when it is
-admitted, so it outlasts blocks nobody has asked for while the request waits its turn. Changes
+admitted, so it outlasts blocks nobody has asked for while the request waits its turn. A
+waiting request may also *keep* its cached prefix (``keep``, by hash, until ``unkeep``): kept
+blocks stay free to take, but an allocation evicts them only once no other cached block is
+left (``_kept``, oldest first). A touch alone does not outlast a long queue: every request that
+arrives later touches its own prefix, and the running requests' new blocks then evict the
+oldest waiting request's prefix first, the one needed soonest. Changes
 to the set of cached hashes are reported through
 ``on_stored`` / ``on_removed`` so the replica can mirror them to Redis.
 """
@@ -50,6 +55,9 @@ class BlockManager:
         self.block_parent: list[BlockHash | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Cached, unreferenced blocks whose hash a waiting request keeps: evicted last.
+        self._kept: OrderedDict[int, None] = OrderedDict()
+        self._keep_counts: dict[BlockHash, int] = {}  # hash -> waiting requests keeping it
         self._hash_to_block: dict[BlockHash, int] = {}
         self._on_stored = on_stored or (lambda h: None)
         self._on_removed = on_removed or (lambda h: None)
@@ -57,8 +65,18 @@ class BlockManager:
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that an allocation can take now (free plus evictable cached)."""
-        return len(self._free) + len(self._evictable)
+        """Blocks that an allocation can take now (free plus cached unreferenced, kept or
+        not)."""
+        return len(self._free) + len(self._evictable) + len(self._kept)
+
+    def keep_counts(self) -> dict[BlockHash, int]:
+        """Each kept hash and how many waiting requests keep it (a copy)."""
+        return dict(self._keep_counts)
+
+    @property
+    def num_kept_hashes(self) -> int:
+        """Block hashes some waiting request keeps (held or not)."""
+        return len(self._keep_counts)
 
     @property
     def num_used_blocks(self) -> int:
@@ -107,25 +125,57 @@ class BlockManager:
         """Take a reference on already-held blocks (a prefix-cache hit or a fork)."""
         for b in blocks:
             if self.ref_counts[b] == 0:
-                del self._evictable[b]
+                self._cached_pool(b).pop(b)
             self.ref_counts[b] += 1
+
+    def _cached_pool(self, block: int) -> OrderedDict[int, None]:
+        """Where a cached, unreferenced block waits: ``_kept`` if its hash is kept."""
+        return self._kept if self.block_hash[block] in self._keep_counts else self._evictable
 
     def touch(self, blocks: list[int]) -> None:
         """Mark cached ``blocks`` (a prefix, in order) as just used, so allocations evict them
         after every block nobody has asked for since. The tail is moved first, as ``release``
         orders them, so it stays the first of them to go. Referenced blocks are not evictable
         and stay as they are."""
-        evictable = self._evictable
         for b in reversed(blocks):
-            if b in evictable:
-                evictable.move_to_end(b)
+            if self.ref_counts[b] == 0 and self.block_hash[b] is not None:
+                self._cached_pool(b).move_to_end(b)
+
+    def keep(self, hashes: list[BlockHash]) -> None:
+        """A waiting request keeps these hashes (its cached prefix, in order): their blocks
+        are evicted only after every block nobody keeps. Counted per call; ``unkeep`` gives
+        them back. A kept block evicted all the same (a pool of nothing else) stays kept by
+        hash: computed again, it is kept again."""
+        held = self._hash_to_block
+        for h in reversed(hashes):  # the tail first, as ``touch``: it stays the first to go
+            count = self._keep_counts.get(h, 0)
+            self._keep_counts[h] = count + 1
+            b = held.get(h)
+            if count == 0 and b is not None and b in self._evictable:
+                del self._evictable[b]
+                self._kept[b] = None
+
+    def unkeep(self, hashes: list[BlockHash]) -> None:
+        """Give back what ``keep(hashes)`` took; a block no request keeps any more rejoins
+        the LRU order as just used."""
+        held = self._hash_to_block
+        for h in reversed(hashes):
+            count = self._keep_counts.get(h, 0) - 1
+            if count > 0:
+                self._keep_counts[h] = count
+                continue
+            self._keep_counts.pop(h, None)
+            b = held.get(h)
+            if b is not None and b in self._kept:
+                del self._kept[b]
+                self._evictable[b] = None
 
     def allocate(self) -> int:
         """A fresh block with one reference, evicting the least recently used cached block."""
         if self._free:
             block = self._free.pop()
-        elif self._evictable:
-            block, _ = self._evictable.popitem(last=False)
+        elif self._evictable or self._kept:
+            block, _ = (self._evictable or self._kept).popitem(last=False)
             evicted = self.block_hash[block]
             assert evicted is not None
             self.block_hash[block] = None
@@ -145,7 +195,7 @@ class BlockManager:
             assert self.ref_counts[b] >= 0, f"block {b} released more often than referenced"
             if self.ref_counts[b] == 0:
                 if self.block_hash[b] is not None:
-                    self._evictable[b] = None
+                    self._cached_pool(b)[b] = None
                 else:
                     self._free.append(b)
 
@@ -194,8 +244,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block (returns how many)."""
         dropped = 0
-        while self._evictable:
-            block, _ = self._evictable.popitem(last=False)
+        while self._evictable or self._kept:
+            block, _ = (self._evictable or self._kept).popitem(last=False)
             h = self.block_hash[block]
             assert h is not None
             self.block_hash[block] = None
@@ -215,7 +265,7 @@ class BlockManager:
                 expected[b] += 1
         assert expected == self.ref_counts, "ref counts do not match the block tables"
         in_use = sum(1 for r in self.ref_counts if r > 0)
-        free, cached = len(self._free), len(self._evictable)
+        free, cached = len(self._free), len(self._evictable) + len(self._kept)
         assert free + cached + in_use == self.num_blocks, (
             f"free {free} + cached {cached} + in use {in_use} != total {self.num_blocks}"
         )
@@ -225,6 +275,11 @@ class BlockManager:
             assert self.block_tokens[b] is None, f"free block {b} still names its tokens"
         for b in self._evictable:
             assert self.ref_counts[b] == 0 and self.block_hash[b] is not None
+            assert self.block_hash[b] not in self._keep_counts, f"kept block {b} not in _kept"
+        for b in self._kept:
+            assert self.ref_counts[b] == 0 and self.block_hash[b] in self._keep_counts
+        assert not set(self._kept) & set(self._evictable), "a cached block is listed twice"
+        assert all(n > 0 for n in self._keep_counts.values()), "a hash kept zero times"
         for h, b in self._hash_to_block.items():
             assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"
         hashed = sum(1 for h in self.block_hash if h is not None)

@@ -36,6 +36,11 @@ class EngineConfig:
     # running request waits for them to land in the prefix cache instead of computing them
     # again (SGLang deprioritizes such requests the same way). See Scheduler.schedule.
     wait_for_inflight_prefix: bool = True
+    # A waiting request keeps its cached prefix (BlockManager.keep): evicted only after every
+    # block no waiting request needs, while the kept blocks are at most this share of the pool
+    # (0: off). Under a long queue the prefix the router sent the request for then outlasts
+    # the queue (docs/benchmarks.md, "Waiting requests keep their prefix").
+    waiting_prefix_share: float = 0.5
     # Fair shares of each step across tenants (replica/tenant_share.py); with one tenant the
     # schedule is exactly FCFS / priority's. ``tenant_prefill_chunk``: prefill tokens per step
     # the tenants over their share get between them while another is present (0: a quarter
@@ -79,6 +84,10 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})"
+            )
+        if not 0.0 <= self.waiting_prefix_share <= 1.0:
+            raise ValueError(
+                f"waiting_prefix_share must be in [0, 1] (got {self.waiting_prefix_share})"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

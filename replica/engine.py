@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -476,6 +477,9 @@ class LLMEngine:
         self.block_manager.check_integrity(tables)
         for seq in self.scheduler.waiting:
             assert not seq.block_table, "a waiting sequence holds blocks"
+        kept = Counter(h for s in self.scheduler.waiting for h in s.kept_hashes)
+        assert kept == self.block_manager.keep_counts(), "kept hashes leaked or lost"
+        assert not any(s.kept_hashes for s in self.scheduler.running), "a running seq keeps"
         if self.host_pool is not None:
             self.host_pool.check_integrity(s.host_blocks for s in self.scheduler.waiting)
 

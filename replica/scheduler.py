@@ -97,14 +97,30 @@ class Scheduler:
         self._requeue(seq)
 
     def _keep_prefix(self, seq: Sequence) -> None:
-        """Mark the cached prefix of an arriving sequence as just used. The router sent the
-        request here because this replica holds that prefix; while the request waits its
-        turn, the running sequences' new blocks evict the least recently used cached blocks,
-        and without this the prefix it came for could be among them."""
+        """Mark the cached prefix of a sequence that starts to wait (arriving, or preempted by
+        recompute) as just used, and keep it while the kept blocks stay within
+        ``waiting_prefix_share`` of the pool. The router sent the request here because this
+        replica holds that prefix; while the request waits its turn, the running sequences'
+        new blocks evict cached blocks, and without this the prefix it came for could be
+        among them. The touch alone lasts only until the requests that arrive after it have
+        touched theirs: under a long queue the oldest waiting prefix, the one needed next, is
+        then the first to go (BlockManager.keep)."""
         if not self.bm.enable_prefix_caching:
             return
         self.update_block_hashes(seq)
-        self.bm.touch(self.bm.match_prefix(seq.block_hashes[: self._cacheable(seq)]))
+        blocks = self.bm.match_prefix(seq.block_hashes[: self._cacheable(seq)])
+        self.bm.touch(blocks)
+        self._release_kept(seq)
+        limit = self.config.waiting_prefix_share * self.bm.num_blocks
+        if blocks and self.bm.num_kept_hashes + len(blocks) <= limit:
+            seq.kept_hashes = seq.block_hashes[: len(blocks)]
+            self.bm.keep(seq.kept_hashes)
+
+    def _release_kept(self, seq: Sequence) -> None:
+        """The sequence stops waiting: what it kept is evicted in turn again."""
+        if seq.kept_hashes:
+            self.bm.unkeep(seq.kept_hashes)
+            seq.kept_hashes = []
 
     def _requeue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -125,6 +141,7 @@ class Scheduler:
             if self.shares is not None:
                 self.shares.leave(seq.request.tenant)
         seq.status = SequenceStatus.FINISHED
+        self._release_kept(seq)
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
@@ -299,6 +316,7 @@ class Scheduler:
                 budget += freed
                 continue
             self.waiting.remove(seq)
+            self._release_kept(seq)  # its prefix is referenced now
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             planned[seq.seq_id] = scheduled
@@ -483,6 +501,7 @@ class Scheduler:
         else:
             self._free(seq)
             seq.num_computed_tokens = 0
+            self._keep_prefix(seq)  # its full blocks stay cached: keep them for its return
         self.stats.preemptions += 1
         out.preempted.append(seq)
         self._requeue(seq)

@@ -60,6 +60,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     num_computed_tokens: int = 0
     host_blocks: list[int] = field(default_factory=list)  # swapped-out KV, in table order
+    kept_hashes: list[BlockHash] = field(default_factory=list)  # its prefix, kept while waiting
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -70,6 +70,70 @@ def test_touched_prefix_is_evicted_after_blocks_nobody_asked_for():
     assert removed == [second[1], first[1], first[0]]
 
 
+def test_kept_blocks_are_evicted_after_every_block_nobody_keeps():
+    bm, _, removed = make(num_blocks=6)
+    kept = block_hashes(list(range(8)), 4, "m")  # a waiting request's prefix, the oldest
+    other = block_hashes(list(range(100, 116)), 4, "m")
+    tables = []
+    for hashes in (kept, other):
+        table = [bm.allocate() for _ in hashes]
+        for block, h in zip(table, hashes):
+            bm.cache_block(block, h)
+        tables.append(table)
+    bm.keep(kept)
+    assert bm.num_kept_hashes == 2
+    bm.check_integrity(tables)
+    for table in tables:
+        bm.release(table)  # released after the keep: into the kept order, tail first
+    bm.check_integrity([])
+    assert bm.num_free_blocks == 6  # kept blocks can still be taken
+    # Every unkept block goes first, however recently it was used; then the kept prefix,
+    # tail first: a pool of nothing else evicts it all the same.
+    assert [bm.allocate() for _ in range(6)] == [5, 4, 3, 2, 1, 0]
+    assert removed == other[::-1] + kept[::-1]
+    assert bm.num_kept_hashes == 2  # kept by hash: computed again, kept again
+    bm.unkeep(kept)
+    assert bm.num_kept_hashes == 0
+    bm.check_integrity([[b] for b in range(6)])
+
+
+def test_unkeep_returns_blocks_to_the_lru_order_as_just_used():
+    bm, _, _ = make(num_blocks=4)
+    a = block_hashes(list(range(4)), 4, "m")
+    b = block_hashes(list(range(50, 54)), 4, "m")
+    c = block_hashes(list(range(90, 94)), 4, "m")
+    table = [bm.allocate() for _ in range(3)]
+    for block, h in zip(table, a + b + c):
+        bm.cache_block(block, h)
+    bm.release(table)  # LRU: c's block 2, b's 1, a's 0 (released tail first)
+    bm.keep(a)
+    bm.keep(a)  # two waiting requests keep it: one unkeep leaves it kept
+    bm.unkeep(a)
+    bm.check_integrity([])
+    assert bm.num_kept_hashes == 1
+    assert bm.allocate() == 3 and bm.allocate() == 2 and bm.allocate() == 1
+    bm.unkeep(a)  # now evicted in turn again, as just used
+    bm.check_integrity([[3], [2], [1]])
+    assert bm.allocate() == 0
+
+
+def test_referencing_a_kept_block_takes_it_out_of_the_cached_pool():
+    bm, _, _ = make(num_blocks=2)
+    h = block_hashes(list(range(4)), 4, "m")
+    block = bm.allocate()
+    bm.cache_block(block, h[0])
+    bm.release([block])
+    bm.keep(h)
+    bm.touch([block])
+    bm.reference([block])  # the waiting request is admitted
+    bm.unkeep(h)
+    bm.check_integrity([[block]])
+    assert bm.num_free_blocks == 1
+    bm.release([block])
+    bm.check_integrity([])
+    assert bm.num_free_blocks == 2
+
+
 def test_duplicate_content_keeps_the_first_cached_copy():
     bm, stored, _ = make()
     h = block_hashes([1, 2, 3, 4], 4, "m")[0]

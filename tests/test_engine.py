@@ -559,6 +559,44 @@ def test_a_queued_request_keeps_the_prefix_it_was_sent_for(tiny_model_dir):
     assert cached == 64  # "long" took 7 blocks: the 4 free ones and 3 of the other prompt's
 
 
+def _queued_behind_two(tiny_model_dir, share: float) -> tuple[list[int], int, list[int]]:
+    """A prefix is cached; "q" comes for it while two requests queue ahead of it (one
+    sequence at a time). The first finishes and its blocks join the cache, newer than q's
+    touch on arrival; the second then needs more blocks than are free. Returns q's output,
+    its cached tokens, and its output on a cold engine."""
+    rng = random.Random(16)
+    prefix = [rng.randrange(5, 400) for _ in range(64)]  # 4 blocks of 16
+    first = [rng.randrange(5, 400) for _ in range(60)]
+    second = [rng.randrange(5, 400) for _ in range(110)]
+    llm = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
+    solo = run_greedy(llm, [prefix + [9, 9, 9]])[0]
+    llm.engine.reset_prefix_cache()
+    run_greedy(llm, [prefix + [1]], SamplingParams(max_tokens=1, temperature=0.0))
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", first, params)
+    engine.add_request("second", second, params)
+    engine.add_request("q", prefix + [9, 9, 9], GREEDY)
+    assert engine.block_manager.num_kept_hashes == (4 if share else 0)
+    engine.check_integrity()
+    got, cached = run_until_done(engine, "q")
+    engine.check_integrity()
+    assert engine.block_manager.num_kept_hashes == 0
+    return got, cached, solo
+
+
+def test_a_waiting_request_keeps_its_prefix_while_requests_ahead_of_it_finish(tiny_model_dir):
+    # Marking the prefix used on arrival is not enough under a queue: "first" finishes after
+    # q arrived, so its blocks are newer in the LRU order, and "second" then evicts q's
+    # prefix. Kept (the default), q's prefix goes only after every block nobody waits for.
+    got, cached, solo = _queued_behind_two(tiny_model_dir, share=0.5)
+    assert got == solo
+    assert cached == 64
+    got, cached, solo = _queued_behind_two(tiny_model_dir, share=0.0)  # touch only
+    assert got == solo
+    assert cached < 64
+
+
 def test_published_block_events_keep_the_cached_set_exact_when_a_step_recomputes_an_evicted_block(
     tiny_model_dir,
 ):
@@ -572,7 +610,8 @@ def test_published_block_events_keep_the_cached_set_exact_when_a_step_recomputes
     rng = random.Random(21)
     p = [rng.randrange(5, 400) for _ in range(64)]  # 4 blocks
     q = [rng.randrange(5, 400) for _ in range(128)]  # 8 blocks
-    llm = make_llm(tiny_model_dir, num_kv_blocks=20, max_num_seqs=2)
+    # Waiting requests only touch their prefix (no keep), so that a step can evict one.
+    llm = make_llm(tiny_model_dir, num_kv_blocks=20, max_num_seqs=2, waiting_prefix_share=0)
     engine = llm.engine
     mirror: set[bytes] = set()
     reports: list[tuple[list[bytes], list[bytes]]] = []

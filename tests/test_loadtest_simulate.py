@@ -238,3 +238,30 @@ def test_a_queued_request_keeps_the_prefix_it_was_routed_for() -> None:
     sim = simulate(reqs, "round_robin", replicas=1, model=engine)
     assert sim.evicted_blocks == 5
     assert sim.hit_rate == pytest.approx(64 / (65 + 65 + 576 + 80))
+
+
+def test_a_waiting_request_keeps_its_prefix_while_requests_ahead_of_it_finish() -> None:
+    # As the replica (BlockManager.keep): R arrives behind F and S (one sequence at a time).
+    # F finishes after R's touch, so F's blocks are younger in the LRU order, and S then needs
+    # more blocks than are free. Kept, R's prefix goes only after F's; touched only, first.
+    prefix = list(range(1, 65))
+    reqs = [
+        LoadRequest(0, [*prefix, 1000], 1, planned_time=0.0),  # A: caches the prefix
+        LoadRequest(1, list(range(2000, 2060)), 4, planned_time=1.0),  # F
+        LoadRequest(2, list(range(3000, 3110)), 4, planned_time=1.0001),  # S
+        LoadRequest(3, [*prefix, 9, 9, 9], 1, planned_time=1.0002),  # R, queued
+    ]
+    prompt_tokens = 65 + 60 + 110 + 67
+
+    def run(share: float):
+        engine = EngineModel(num_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
+        return simulate(reqs, "round_robin", replicas=1, model=engine)
+
+    assert run(0.5).hit_rate == pytest.approx(64 / prompt_tokens)
+    assert run(0.0).hit_rate < 64 / prompt_tokens
+
+
+def test_the_simulated_replica_keeps_waiting_prefixes_as_the_replica_does_by_default() -> None:
+    from replica.config import EngineConfig
+
+    assert EngineModel().waiting_prefix_share == EngineConfig().waiting_prefix_share

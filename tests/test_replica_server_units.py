@@ -44,6 +44,13 @@ def test_bad_environment_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> N
         parse_config([])
 
 
+@pytest.mark.parametrize("share", ["-0.1", "1.5"])
+def test_a_waiting_prefix_share_outside_0_1_is_refused_with_the_flag_named(share: str) -> None:
+    with pytest.raises(SystemExit, match=r"--waiting-prefix-share must be in \[0, 1\]"):
+        parse_config(["--waiting-prefix-share", share])
+    assert parse_config(["--waiting-prefix-share", "0"]).engine_config().waiting_prefix_share == 0
+
+
 def test_advertised_address_and_replica_id() -> None:
     config = ServerConfig(host="0.0.0.0", advertise_host="replica-3")
     assert config.resolved_advertise_address(5000) == "replica-3:5000"

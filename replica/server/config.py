@@ -77,6 +77,7 @@ class ServerConfig:
     tenant_window_s: float = 10.0
     prefix_caching: bool = True
     wait_for_inflight_prefix: bool = True
+    waiting_prefix_share: float = 0.5
     batch_invariant: bool = False
     seed: int = 0
     log_level: str = "INFO"
@@ -113,6 +114,7 @@ class ServerConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": self.prefix_caching,
             "wait_for_inflight_prefix": self.wait_for_inflight_prefix,
+            "waiting_prefix_share": self.waiting_prefix_share,
             "scheduling_policy": self.scheduling_policy,
             "tenant_fairness": self.tenant_fairness,
             "tenant_prefill_chunk": self.tenant_prefill_chunk,
@@ -189,6 +191,9 @@ _HELP: dict[str, str] = {
     "wait_for_inflight_prefix": "a request whose next prompt blocks another request is "
     "prefilling right now waits for them to be cached instead of computing them again "
     "(--no-wait-for-inflight-prefix: admit it at once)",
+    "waiting_prefix_share": "a waiting request keeps its cached prefix: those blocks are "
+    "evicted only after every block no waiting request needs, up to this share of the KV pool "
+    "(0 = off: the prefix is only marked used when the request arrives)",
     "batch_invariant": "run every matmul in tiles of at most 32 rows so a token's result does not "
     "depend on what it is batched with: a prefix-cache hit (local or fetched from a peer) then "
     "gives the cold run's greedy output exactly in bfloat16 too; costs prefill speed on AMX "
@@ -234,6 +239,10 @@ def _check(config: ServerConfig) -> None:
         problems.append("--fetch-prefill-tokens-per-s must be > 0")
     if not 0 <= config.warm_start_share <= 1:
         problems.append(f"--warm-start-share must be in [0, 1] (got {config.warm_start_share})")
+    if not 0 <= config.waiting_prefix_share <= 1:
+        problems.append(
+            f"--waiting-prefix-share must be in [0, 1] (got {config.waiting_prefix_share})"
+        )
     if config.block_size < 1:
         problems.append(f"--block-size must be >= 1 (got {config.block_size})")
     problems += limits.check_limits(limits.RequestLimits.from_config(config))
