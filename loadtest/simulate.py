@@ -51,7 +51,7 @@ import heapq
 import itertools
 import json
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +77,7 @@ _MODEL = "sim"
 _ROUTER = RouterConfig()  # the router's defaults, which the simulation flags share
 # The replica's --waiting-prefix-share default (replica/config.py, which the load tester does
 # not import: docs/design.md; tests/test_loadtest_simulate.py checks the two agree).
-WAITING_PREFIX_SHARE = 0.5
+WAITING_PREFIX_SHARE = 1.0
 EVICT_POLICIES = ("lru", "dup", "fetched")
 COLD_PLACEMENTS = ("policy", "oldest", "tree")
 
@@ -334,6 +334,7 @@ class ReplicaSim:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.fetched_tokens = 0
+        self.queued: Counter[bytes] = Counter()  # prompt blocks of requests not finished
 
     def queued_tokens(self) -> int:
         """What the lease reports (``Scheduler.outstanding_tokens``): prompt tokens still to
@@ -370,17 +371,29 @@ class ReplicaSim:
         return hits < cacheable and r.hashes[hits] in inflight
 
     def keep_prefix(self, r: SimRequest) -> None:
-        """As the scheduler does for an arriving request (``Scheduler._keep_prefix``): its
-        cached prefix goes to the young end of the LRU order and, while the kept blocks stay
-        within ``waiting_prefix_share`` of the pool, is kept until the request is admitted."""
+        """As the scheduler does for an arriving request (``Scheduler.add``): its cached
+        prefix goes to the young end of the LRU order and, while the kept blocks stay within
+        ``waiting_prefix_share`` of the pool, is kept until the request is admitted, with the
+        blocks past it that a request queued before it will compute. Then the request's own
+        prompt blocks join the queued ones."""
         cacheable = r.hashes[: (r.prompt_len - 1) // self.model.block_size]
-        prefix = cacheable[: self.leading(cacheable)]
-        self.pool.touch(prefix)
+        n = self.leading(cacheable)
+        self.pool.touch(cacheable[:n])
+        while n < len(cacheable) and cacheable[n] in self.queued:
+            n += 1
         limit = self.model.waiting_prefix_share * self.pool.num_blocks
-        if prefix and len(self.pool.kept) + len(prefix) <= limit:
-            for h in prefix:
+        if n and len(self.pool.kept) + n <= limit:
+            for h in cacheable[:n]:
                 self.pool.kept[h] = self.pool.kept.get(h, 0) + 1
-            r.kept = list(prefix)
+            r.kept = list(cacheable[:n])
+        self.queued.update(cacheable)
+
+    def _unqueue(self, r: SimRequest) -> None:
+        for h in r.hashes[: (r.prompt_len - 1) // self.model.block_size]:
+            if self.queued[h] > 1:
+                self.queued[h] -= 1
+            else:
+                del self.queued[h]
 
     def _release_kept(self, r: SimRequest) -> None:
         for h in r.kept:
@@ -482,6 +495,7 @@ class ReplicaSim:
                     done.append(r)
         for r in done:
             self.running.remove(r)
+            self._unqueue(r)
             self.pool.release(r.held, r.unhashed)
         return end, first, done
 
@@ -860,8 +874,9 @@ def _add_simulation_flags(g: Any) -> None:
     )  # fmt: skip
     g.add_argument(
         "--waiting-prefix-share", type=float, default=WAITING_PREFIX_SHARE,
-        help="as the replica's flag: a waiting request keeps its cached prefix, evicted only "
-        "after every block nobody waits for, up to this share of the pool (0: touched only)",
+        help="as the replica's flag: a waiting request keeps its cached prefix (and the blocks "
+        "past it a request queued before it computes), evicted only after every block nobody "
+        "waits for, up to this share of the pool (0: touched only)",
     )  # fmt: skip
     g.add_argument(
         "--cold-placement", choices=COLD_PLACEMENTS, default="policy",

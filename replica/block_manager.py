@@ -12,9 +12,9 @@ copy. A cached block is never written again, so a block pinned by a reference (a
 transfer to a peer replica) holds the same KV until it is released. A request's cached prefix
 counts as used when the request arrives (``touch``, from ``Scheduler.add``), not only when it is
 admitted, so it outlasts blocks nobody has asked for while the request waits its turn. A
-waiting request may also *keep* its cached prefix (``keep``, by hash, until ``unkeep``): kept
-blocks stay free to take, but an allocation evicts them only once no other cached block is
-left (``_kept``, oldest first). A touch alone does not outlast a long queue: every request that
+waiting request may also *keep* its prefix (``keep``, by hash, until ``unkeep``; hashes not
+cached yet are kept once they are): kept blocks stay free to take, but an allocation evicts
+them only once no other cached block is left (``_kept``, oldest first). A touch alone does not outlast a long queue: every request that
 arrives later touches its own prefix, and the running requests' new blocks then evict the
 oldest waiting request's prefix first, the one needed soonest. Changes
 to the set of cached hashes are reported through

@@ -36,11 +36,12 @@ class EngineConfig:
     # running request waits for them to land in the prefix cache instead of computing them
     # again (SGLang deprioritizes such requests the same way). See Scheduler.schedule.
     wait_for_inflight_prefix: bool = True
-    # A waiting request keeps its cached prefix (BlockManager.keep): evicted only after every
-    # block no waiting request needs, while the kept blocks are at most this share of the pool
-    # (0: off). Under a long queue the prefix the router sent the request for then outlasts
-    # the queue (docs/benchmarks.md, "Waiting requests keep their prefix").
-    waiting_prefix_share: float = 0.5
+    # A waiting request keeps its cached prefix, and the blocks past it that a request queued
+    # before it will compute (BlockManager.keep): evicted only after every block no waiting
+    # request needs, while the kept blocks are at most this share of the pool (0: off). Under
+    # a long queue the prefix the router sent the request for then outlasts the queue
+    # (docs/benchmarks.md, "Waiting requests keep their prefix").
+    waiting_prefix_share: float = 1.0
     # Fair shares of each step across tenants (replica/tenant_share.py); with one tenant the
     # schedule is exactly FCFS / priority's. ``tenant_prefill_chunk``: prefill tokens per step
     # the tenants over their share get between them while another is present (0: a quarter

@@ -480,6 +480,11 @@ class LLMEngine:
         kept = Counter(h for s in self.scheduler.waiting for h in s.kept_hashes)
         assert kept == self.block_manager.keep_counts(), "kept hashes leaked or lost"
         assert not any(s.kept_hashes for s in self.scheduler.running), "a running seq keeps"
+        queued = Counter(
+            h for s in self.scheduler.running + self.scheduler.waiting
+            for h in s.block_hashes[: s.num_queued_hashes]
+        )  # fmt: skip
+        assert queued == self.scheduler.queued_hashes, "queued hashes leaked or lost"
         if self.host_pool is not None:
             self.host_pool.check_integrity(s.host_blocks for s in self.scheduler.waiting)
 

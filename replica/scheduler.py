@@ -19,6 +19,7 @@ The result is a plain ``SchedulerOutput``; the model runner executes it.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -77,6 +78,9 @@ class Scheduler:
         self.model_id = model_id
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
+        # The cacheable prompt block hashes of every sequence added and not finished: blocks
+        # this replica will compute or has computed for a queued request (_keep_prefix).
+        self.queued_hashes: Counter = Counter()
         self.stats = SchedulerStats()
         self.shares: TenantShares | None = None
         if config.tenant_fairness:
@@ -93,10 +97,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if self.shares is not None:
             self.shares.enter(seq.request.tenant)
-        self._keep_prefix(seq)
+        self._keep_prefix(seq, ahead=self.queued_hashes)
+        if self.bm.enable_prefix_caching:
+            seq.num_queued_hashes = self._cacheable(seq)
+            self.queued_hashes.update(seq.block_hashes[: seq.num_queued_hashes])
         self._requeue(seq)
 
-    def _keep_prefix(self, seq: Sequence) -> None:
+    def _keep_prefix(self, seq: Sequence, ahead: Counter | None = None) -> None:
         """Mark the cached prefix of a sequence that starts to wait (arriving, or preempted by
         recompute) as just used, and keep it while the kept blocks stay within
         ``waiting_prefix_share`` of the pool. The router sent the request here because this
@@ -104,16 +111,24 @@ class Scheduler:
         new blocks evict cached blocks, and without this the prefix it came for could be
         among them. The touch alone lasts only until the requests that arrive after it have
         touched theirs: under a long queue the oldest waiting prefix, the one needed next, is
-        then the first to go (BlockManager.keep)."""
+        then the first to go (BlockManager.keep). With ``ahead`` (an arriving sequence: the
+        hashes of the requests queued before it) the kept prefix runs on over blocks not cached
+        yet that one of those requests will compute, as a burst's later requests wait on its
+        first; kept by hash, they are kept once computed and released."""
         if not self.bm.enable_prefix_caching:
             return
         self.update_block_hashes(seq)
-        blocks = self.bm.match_prefix(seq.block_hashes[: self._cacheable(seq)])
+        hashes = seq.block_hashes[: self._cacheable(seq)]
+        blocks = self.bm.match_prefix(hashes)
         self.bm.touch(blocks)
         self._release_kept(seq)
+        n = len(blocks)
+        if ahead:
+            while n < len(hashes) and hashes[n] in ahead:
+                n += 1
         limit = self.config.waiting_prefix_share * self.bm.num_blocks
-        if blocks and self.bm.num_kept_hashes + len(blocks) <= limit:
-            seq.kept_hashes = seq.block_hashes[: len(blocks)]
+        if n and self.bm.num_kept_hashes + n <= limit:
+            seq.kept_hashes = hashes[:n]
             self.bm.keep(seq.kept_hashes)
 
     def _release_kept(self, seq: Sequence) -> None:
@@ -142,6 +157,13 @@ class Scheduler:
                 self.shares.leave(seq.request.tenant)
         seq.status = SequenceStatus.FINISHED
         self._release_kept(seq)
+        queued = self.queued_hashes
+        for h in seq.block_hashes[: seq.num_queued_hashes]:
+            if queued[h] > 1:
+                queued[h] -= 1
+            else:
+                del queued[h]
+        seq.num_queued_hashes = 0
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:

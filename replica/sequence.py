@@ -61,6 +61,7 @@ class Sequence:
     num_computed_tokens: int = 0
     host_blocks: list[int] = field(default_factory=list)  # swapped-out KV, in table order
     kept_hashes: list[BlockHash] = field(default_factory=list)  # its prefix, kept while waiting
+    num_queued_hashes: int = 0  # leading block_hashes counted in Scheduler.queued_hashes
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -589,10 +589,45 @@ def test_a_waiting_request_keeps_its_prefix_while_requests_ahead_of_it_finish(ti
     # Marking the prefix used on arrival is not enough under a queue: "first" finishes after
     # q arrived, so its blocks are newer in the LRU order, and "second" then evicts q's
     # prefix. Kept (the default), q's prefix goes only after every block nobody waits for.
-    got, cached, solo = _queued_behind_two(tiny_model_dir, share=0.5)
+    got, cached, solo = _queued_behind_two(tiny_model_dir, share=1.0)
     assert got == solo
     assert cached == 64
     got, cached, solo = _queued_behind_two(tiny_model_dir, share=0.0)  # touch only
+    assert got == solo
+    assert cached < 64
+
+
+def _waiting_on_a_queued_prefix(tiny_model_dir, share: float) -> tuple[list[int], int, list[int]]:
+    """ "w2" arrives while "w1", queued ahead of it, has yet to compute their shared prefix
+    (nothing of it is cached). One sequence at a time: w1 computes it, then "y" finishes
+    (its blocks younger than the prefix) and "x" needs more blocks than are free. Returns
+    w2's output, its cached tokens, and its output on a cold engine."""
+    rng = random.Random(17)
+    prefix = [rng.randrange(5, 400) for _ in range(64)]  # 4 blocks of 16
+    llm = make_llm(tiny_model_dir, num_kv_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
+    solo = run_greedy(llm, [prefix + [9, 9, 9]])[0]
+    llm.engine.reset_prefix_cache()
+    engine = llm.engine
+    four = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", [rng.randrange(5, 400) for _ in range(60)], four)
+    engine.add_request("w1", prefix + [1], SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request("y", [rng.randrange(5, 400) for _ in range(44)], four)
+    engine.add_request("x", [rng.randrange(5, 400) for _ in range(110)], four)
+    engine.add_request("w2", prefix + [9, 9, 9], GREEDY)
+    engine.check_integrity()
+    got, cached = run_until_done(engine, "w2")
+    engine.check_integrity()
+    assert not engine.scheduler.queued_hashes and engine.block_manager.num_kept_hashes == 0
+    return got, cached, solo
+
+
+def test_a_waiting_request_keeps_the_prefix_a_request_ahead_of_it_computes(tiny_model_dir):
+    # Nothing of w2's prefix is cached when it arrives, so there is nothing to touch; it keeps
+    # the hashes w1 (queued ahead) will compute, and they outlast y's younger blocks.
+    got, cached, solo = _waiting_on_a_queued_prefix(tiny_model_dir, share=1.0)
+    assert got == solo
+    assert cached == 64
+    got, cached, solo = _waiting_on_a_queued_prefix(tiny_model_dir, share=0.0)
     assert got == solo
     assert cached < 64
 

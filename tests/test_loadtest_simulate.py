@@ -257,7 +257,29 @@ def test_a_waiting_request_keeps_its_prefix_while_requests_ahead_of_it_finish() 
         engine = EngineModel(num_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
         return simulate(reqs, "round_robin", replicas=1, model=engine)
 
-    assert run(0.5).hit_rate == pytest.approx(64 / prompt_tokens)
+    assert run(1.0).hit_rate == pytest.approx(64 / prompt_tokens)
+    assert run(0.0).hit_rate < 64 / prompt_tokens
+
+
+def test_a_waiting_request_keeps_the_prefix_a_request_ahead_of_it_computes() -> None:
+    # As the replica (Scheduler.add): W2's prefix is not cached when it arrives; W1, queued
+    # ahead, will compute it. W2 keeps those hashes, so they outlast Y's younger blocks when
+    # X needs more blocks than are free. Touched only, W2 finds half of them evicted.
+    prefix = list(range(1, 65))
+    reqs = [
+        LoadRequest(0, list(range(1000, 1060)), 4, planned_time=0.0),  # running first
+        LoadRequest(1, [*prefix, 1], 1, planned_time=0.0001),  # W1
+        LoadRequest(2, list(range(2000, 2044)), 4, planned_time=0.0002),  # Y
+        LoadRequest(3, list(range(3000, 3110)), 4, planned_time=0.0003),  # X
+        LoadRequest(4, [*prefix, 9, 9, 9], 1, planned_time=0.0004),  # W2
+    ]
+    prompt_tokens = 60 + 65 + 44 + 110 + 67
+
+    def run(share: float):
+        engine = EngineModel(num_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
+        return simulate(reqs, "round_robin", replicas=1, model=engine)
+
+    assert run(1.0).hit_rate == pytest.approx(64 / prompt_tokens)
     assert run(0.0).hit_rate < 64 / prompt_tokens
 
 

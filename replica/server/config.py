@@ -77,7 +77,7 @@ class ServerConfig:
     tenant_window_s: float = 10.0
     prefix_caching: bool = True
     wait_for_inflight_prefix: bool = True
-    waiting_prefix_share: float = 0.5
+    waiting_prefix_share: float = 1.0
     batch_invariant: bool = False
     seed: int = 0
     log_level: str = "INFO"
@@ -191,9 +191,10 @@ _HELP: dict[str, str] = {
     "wait_for_inflight_prefix": "a request whose next prompt blocks another request is "
     "prefilling right now waits for them to be cached instead of computing them again "
     "(--no-wait-for-inflight-prefix: admit it at once)",
-    "waiting_prefix_share": "a waiting request keeps its cached prefix: those blocks are "
-    "evicted only after every block no waiting request needs, up to this share of the KV pool "
-    "(0 = off: the prefix is only marked used when the request arrives)",
+    "waiting_prefix_share": "a waiting request keeps its cached prefix, and the blocks past it "
+    "that a request queued before it will compute: those blocks are evicted only after every "
+    "block no waiting request needs, up to this share of the KV pool (0 = off: the prefix is "
+    "only marked used when the request arrives)",
     "batch_invariant": "run every matmul in tiles of at most 32 rows so a token's result does not "
     "depend on what it is batched with: a prefix-cache hit (local or fetched from a peer) then "
     "gives the cold run's greedy output exactly in bfloat16 too; costs prefill speed on AMX "
