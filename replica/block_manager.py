@@ -58,6 +58,7 @@ class BlockManager:
         # Cached, unreferenced blocks whose hash a waiting request keeps: evicted last.
         self._kept: OrderedDict[int, None] = OrderedDict()
         self._keep_counts: dict[BlockHash, int] = {}  # hash -> waiting requests keeping it
+        self.kept_evictions = 0  # kept blocks evicted all the same: nothing else was left
         self._hash_to_block: dict[BlockHash, int] = {}
         self._on_stored = on_stored or (lambda h: None)
         self._on_removed = on_removed or (lambda h: None)
@@ -175,6 +176,8 @@ class BlockManager:
         if self._free:
             block = self._free.pop()
         elif self._evictable or self._kept:
+            if not self._evictable:
+                self.kept_evictions += 1
             block, _ = (self._evictable or self._kept).popitem(last=False)
             evicted = self.block_hash[block]
             assert evicted is not None

@@ -49,6 +49,8 @@ class EngineStats:
     free_blocks: int
     cached_blocks: int
     queued_tokens: int
+    kept_hashes: int  # prefix blocks waiting requests keep (BlockManager.keep)
+    kept_evictions: int  # kept blocks evicted all the same: nothing else was left
     prefix_cache_queries: int
     prefix_cache_hits: int
     preemptions: int
@@ -499,6 +501,8 @@ class LLMEngine:
             free_blocks=bm.num_free_blocks,
             cached_blocks=bm.num_cached_blocks,
             queued_tokens=sched.outstanding_tokens(),
+            kept_hashes=bm.num_kept_hashes,
+            kept_evictions=bm.kept_evictions,
             prefix_cache_queries=sched.stats.prefix_cache_queries,
             prefix_cache_hits=sched.stats.prefix_cache_hits,
             preemptions=sched.stats.preemptions,

@@ -91,6 +91,7 @@ def test_kept_blocks_are_evicted_after_every_block_nobody_keeps():
     # tail first: a pool of nothing else evicts it all the same.
     assert [bm.allocate() for _ in range(6)] == [5, 4, 3, 2, 1, 0]
     assert removed == other[::-1] + kept[::-1]
+    assert bm.kept_evictions == 2
     assert bm.num_kept_hashes == 2  # kept by hash: computed again, kept again
     bm.unkeep(kept)
     assert bm.num_kept_hashes == 0

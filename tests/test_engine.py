@@ -578,6 +578,7 @@ def _queued_behind_two(tiny_model_dir, share: float) -> tuple[list[int], int, li
     engine.add_request("second", second, params)
     engine.add_request("q", prefix + [9, 9, 9], GREEDY)
     assert engine.block_manager.num_kept_hashes == (4 if share else 0)
+    assert engine.get_stats().kept_hashes == (4 if share else 0)  # the metric's gauge
     engine.check_integrity()
     got, cached = run_until_done(engine, "q")
     engine.check_integrity()

@@ -496,8 +496,10 @@ def test_reflection_health_and_metrics(replica: ReplicaProcess):
         assert samples[name] > 0, name
     for name in ("prefixmesh_prefix_cache_hits_total", "prefixmesh_kv_cache_usage",
                  "prefixmesh_num_requests_running", "prefixmesh_num_requests_waiting",
-                 "prefixmesh_preemptions_total"):  # fmt: skip
+                 "prefixmesh_preemptions_total", "prefixmesh_prefix_cache_kept_blocks",
+                 "prefixmesh_prefix_cache_kept_evictions_total"):  # fmt: skip
         assert name in samples, name
+    assert samples["prefixmesh_prefix_cache_kept_blocks"] == 0  # nothing waits now
     assert samples['prefixmesh_requests_finished_total{finish_reason="length"}'] >= 1
 
 

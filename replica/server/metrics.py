@@ -57,6 +57,16 @@ class _EngineStatsCollector(Collector):
         )
         yield self._gauge("prefix_cache_blocks", "Blocks held in the prefix cache", s.cached_blocks)
         yield self._gauge("queued_tokens", "Prefill plus decode tokens still owed", s.queued_tokens)
+        yield self._gauge(
+            "prefix_cache_kept_blocks",
+            "Prefix blocks waiting requests keep (evicted only after every other cached block)",
+            s.kept_hashes,
+        )
+        yield self._counter(
+            "prefix_cache_kept_evictions",
+            "Kept prefix blocks evicted all the same because no other cached block was left",
+            s.kept_evictions,
+        )
         yield self._counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
