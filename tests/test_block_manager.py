@@ -49,16 +49,22 @@ def test_cached_blocks_are_reused_then_evicted_least_recently_used():
     bm.check_integrity([[0, 1, 2]])
 
 
-def test_touched_prefix_is_evicted_after_blocks_nobody_asked_for():
-    bm, _, removed = make(num_blocks=4)
-    first = block_hashes(list(range(8)), 4, "m")  # an older prompt's two blocks
-    second = block_hashes(list(range(100, 108)), 4, "m")
+def cache_prompts(bm: BlockManager, *prompts: list) -> list[list[int]]:
+    """Allocate and cache each prompt's blocks (its block hashes), in order: their tables."""
     tables = []
-    for hashes in (first, second):
+    for hashes in prompts:
         table = [bm.allocate() for _ in hashes]
         for block, h in zip(table, hashes):
             bm.cache_block(block, h)
         tables.append(table)
+    return tables
+
+
+def test_touched_prefix_is_evicted_after_blocks_nobody_asked_for():
+    bm, _, removed = make(num_blocks=4)
+    first = block_hashes(list(range(8)), 4, "m")  # an older prompt's two blocks
+    second = block_hashes(list(range(100, 108)), 4, "m")
+    tables = cache_prompts(bm, first, second)
     for table in tables:
         bm.release(table)  # LRU, oldest first: first's tail, first's head, second's tail, head
     held = bm.match_prefix(first)
@@ -74,12 +80,7 @@ def test_kept_blocks_are_evicted_after_every_block_nobody_keeps():
     bm, _, removed = make(num_blocks=6)
     kept = block_hashes(list(range(8)), 4, "m")  # a waiting request's prefix, the oldest
     other = block_hashes(list(range(100, 116)), 4, "m")
-    tables = []
-    for hashes in (kept, other):
-        table = [bm.allocate() for _ in hashes]
-        for block, h in zip(table, hashes):
-            bm.cache_block(block, h)
-        tables.append(table)
+    tables = cache_prompts(bm, kept, other)
     bm.keep(kept)
     assert bm.num_kept_hashes == 2
     bm.check_integrity(tables)

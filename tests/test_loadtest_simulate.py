@@ -240,6 +240,16 @@ def test_a_queued_request_keeps_the_prefix_it_was_routed_for() -> None:
     assert sim.hit_rate == pytest.approx(64 / (65 + 65 + 576 + 80))
 
 
+def _hit_rates_kept_and_touched(reqs: list[LoadRequest]) -> tuple[float, float]:
+    """Hit rates on one replica of 12 blocks, one sequence at a time: waiting requests keeping
+    their prefixes (the default), and only touching them (``waiting_prefix_share`` 0)."""
+    rates = []
+    for share in (1.0, 0.0):
+        engine = EngineModel(num_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
+        rates.append(simulate(reqs, "round_robin", replicas=1, model=engine).hit_rate)
+    return rates[0], rates[1]
+
+
 def test_a_waiting_request_keeps_its_prefix_while_requests_ahead_of_it_finish() -> None:
     # As the replica (BlockManager.keep): R arrives behind F and S (one sequence at a time).
     # F finishes after R's touch, so F's blocks are younger in the LRU order, and S then needs
@@ -251,14 +261,9 @@ def test_a_waiting_request_keeps_its_prefix_while_requests_ahead_of_it_finish() 
         LoadRequest(2, list(range(3000, 3110)), 4, planned_time=1.0001),  # S
         LoadRequest(3, [*prefix, 9, 9, 9], 1, planned_time=1.0002),  # R, queued
     ]
-    prompt_tokens = 65 + 60 + 110 + 67
-
-    def run(share: float):
-        engine = EngineModel(num_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
-        return simulate(reqs, "round_robin", replicas=1, model=engine)
-
-    assert run(1.0).hit_rate == pytest.approx(64 / prompt_tokens)
-    assert run(0.0).hit_rate < 64 / prompt_tokens
+    kept, touched = _hit_rates_kept_and_touched(reqs)
+    assert kept == pytest.approx(64 / (65 + 60 + 110 + 67))
+    assert touched < kept
 
 
 def test_a_waiting_request_keeps_the_prefix_a_request_ahead_of_it_computes() -> None:
@@ -273,14 +278,9 @@ def test_a_waiting_request_keeps_the_prefix_a_request_ahead_of_it_computes() -> 
         LoadRequest(3, list(range(3000, 3110)), 4, planned_time=0.0003),  # X
         LoadRequest(4, [*prefix, 9, 9, 9], 1, planned_time=0.0004),  # W2
     ]
-    prompt_tokens = 60 + 65 + 44 + 110 + 67
-
-    def run(share: float):
-        engine = EngineModel(num_blocks=12, max_num_seqs=1, waiting_prefix_share=share)
-        return simulate(reqs, "round_robin", replicas=1, model=engine)
-
-    assert run(1.0).hit_rate == pytest.approx(64 / prompt_tokens)
-    assert run(0.0).hit_rate < 64 / prompt_tokens
+    kept, touched = _hit_rates_kept_and_touched(reqs)
+    assert kept == pytest.approx(64 / (60 + 65 + 44 + 110 + 67))
+    assert touched < kept
 
 
 def test_the_simulated_replica_keeps_waiting_prefixes_as_the_replica_does_by_default() -> None:
