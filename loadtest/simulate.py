@@ -314,6 +314,15 @@ class BlockPool:
                 self.lru[h] = self.clock
 
 
+def _uncount(counts: dict[bytes, int], hashes: Sequence[bytes]) -> None:
+    """Take one count of each of ``hashes`` off ``counts``, dropping those that reach 0."""
+    for h in hashes:
+        if counts[h] > 1:
+            counts[h] -= 1
+        else:
+            del counts[h]
+
+
 class ReplicaSim:
     def __init__(
         self,
@@ -389,19 +398,10 @@ class ReplicaSim:
         self.queued.update(cacheable)
 
     def _unqueue(self, r: SimRequest) -> None:
-        for h in r.hashes[: (r.prompt_len - 1) // self.model.block_size]:
-            if self.queued[h] > 1:
-                self.queued[h] -= 1
-            else:
-                del self.queued[h]
+        _uncount(self.queued, r.hashes[: (r.prompt_len - 1) // self.model.block_size])
 
     def _release_kept(self, r: SimRequest) -> None:
-        for h in r.kept:
-            n = self.pool.kept[h] - 1
-            if n:
-                self.pool.kept[h] = n
-            else:
-                del self.pool.kept[h]
+        _uncount(self.pool.kept, r.kept)
         r.kept = []
 
     def leading(self, hashes: Sequence[bytes]) -> int:

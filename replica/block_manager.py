@@ -11,14 +11,16 @@ full of computed tokens; identical content computed twice keeps the first block 
 copy. A cached block is never written again, so a block pinned by a reference (a sequence, or a
 transfer to a peer replica) holds the same KV until it is released. A request's cached prefix
 counts as used when the request arrives (``touch``, from ``Scheduler.add``), not only when it is
-admitted, so it outlasts blocks nobody has asked for while the request waits its turn. A
-waiting request may also *keep* its prefix (``keep``, by hash, until ``unkeep``; hashes not
-cached yet are kept once they are): kept blocks stay free to take, but an allocation evicts
-them only once no other cached block is left (``_kept``, oldest first). A touch alone does not outlast a long queue: every request that
-arrives later touches its own prefix, and the running requests' new blocks then evict the
-oldest waiting request's prefix first, the one needed soonest. Changes
-to the set of cached hashes are reported through
-``on_stored`` / ``on_removed`` so the replica can mirror them to Redis.
+admitted, so it outlasts blocks nobody has asked for while the request waits its turn.
+
+A touch alone does not outlast a long queue: every request that arrives later touches its own
+prefix, and the running requests' new blocks then evict the oldest waiting request's prefix
+first, the one needed soonest. So a waiting request also *keeps* its prefix (``keep``, by hash,
+until ``unkeep``; a hash not cached yet is kept once it is): kept blocks stay free to take, but
+an allocation evicts them only once no other cached block is left (``_kept``, oldest first).
+
+Changes to the set of cached hashes are reported through ``on_stored`` / ``on_removed`` so the
+replica can mirror them to Redis.
 """
 
 from __future__ import annotations
@@ -143,8 +145,8 @@ class BlockManager:
                 self._cached_pool(b).move_to_end(b)
 
     def keep(self, hashes: list[BlockHash]) -> None:
-        """A waiting request keeps these hashes (its cached prefix, in order): their blocks
-        are evicted only after every block nobody keeps. Counted per call; ``unkeep`` gives
+        """A waiting request keeps these hashes (its prefix, in order; cached now or to be
+        computed): their blocks are evicted only after every block nobody keeps. Counted per call; ``unkeep`` gives
         them back. A kept block evicted all the same (a pool of nothing else) stays kept by
         hash: computed again, it is kept again."""
         held = self._hash_to_block
