@@ -195,6 +195,9 @@ def row(name: str, s: dict) -> dict:
         "requests_ok": s["requests"]["ok"],
         "failed": s["requests"]["failed"],
         "hit_rate": s["hit_rate"],
+        # Of the cached tokens, those a peer replica sent (a fetch); sglang-router sends no
+        # fetch hint, so its replicas fetch nothing.
+        "fetched_tokens": s["tokens"].get("fetched", 0),
         "ttft_p50_ms": lat["ttft"]["p50"],
         "ttft_p90_ms": lat["ttft"]["p90"],
         "e2e_p50_ms": lat["e2e"]["p50"],
@@ -212,15 +215,16 @@ def markdown(rows: list[dict]) -> str:
         return "-" if v is None else f"{v / 1000:.2f} s"
 
     lines = [
-        "| router | ok | hit rate | TTFT p50 | TTFT p90 | e2e p50 | e2e p90 | req/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| router | ok | hit rate | fetched tokens | TTFT p50 | TTFT p90 | e2e p50 | e2e p90 "
+        "| req/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
         lines.append(
-            f"| {r['router']} | {r['requests_ok']} | {hit} | {ms(r['ttft_p50_ms'])} | "
-            f"{ms(r['ttft_p90_ms'])} | {ms(r['e2e_p50_ms'])} | {ms(r['e2e_p90_ms'])} | "
-            f"{r['requests_per_s']:.2f} |"
+            f"| {r['router']} | {r['requests_ok']} | {hit} | {r['fetched_tokens']:,} | "
+            f"{ms(r['ttft_p50_ms'])} | {ms(r['ttft_p90_ms'])} | {ms(r['e2e_p50_ms'])} | "
+            f"{ms(r['e2e_p90_ms'])} | {r['requests_per_s']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from loadtest import sglang_side_by_side as sbs
+from loadtest.request import RequestResult
+from loadtest.summary import summarize
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -25,3 +27,20 @@ def test_a_closed_loop_by_default_and_trace_arrivals_on_request() -> None:
     argv = sbs.loadtest_argv(paced, "127.0.0.1:1", "127.0.0.1:2", Path("o"))
     assert _flag(argv, "--arrival") == "trace" and _flag(argv, "--speedup") == "2.0"
     assert "--concurrency" not in argv and _flag(argv, "--trace-start") == "781.6"
+
+
+def test_the_report_counts_fetched_tokens_from_the_replicas_usage() -> None:
+    """A claim that fetches cost or saved time needs the fetch count next to it."""
+    results = [
+        RequestResult(index=i, send_time=0.0, first_token_time=0.5, end_time=1.0,
+                      prompt_tokens=64, output_tokens=4, expected_output_tokens=4,
+                      cached_tokens=32, fetched_tokens=fetched, replica_id=f"replica-{i}")
+        for i, fetched in enumerate([16, 0, 32])
+    ]  # fmt: skip
+    r = sbs.row("prefixmesh", summarize(results))
+    assert r["fetched_tokens"] == 48 and r["hit_rate"] == 0.5
+    table = sbs.markdown([r]).splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert len(header) == len(cells) == table[1].count("---")
+    assert dict(zip(header, cells))["fetched tokens"] == "48"
