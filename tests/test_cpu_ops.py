@@ -368,6 +368,25 @@ def test_silu_and_mul(isa, dtype, rows):
     _close(_ops(isa).silu_and_mul(gate_up), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_the_kernels_exp_is_within_one_ulp_with_its_edges_as_documented(isa):
+    """The float32 exp of SiLU and the softmax (``exp_f32`` in cpu_ops.cpp): within one ulp of
+    float64's exp wherever the result is a normal float below 2^127.5 (1.5 in the generic
+    build, whose multiply-adds round twice), 0 below that range, infinity above it, NaN for
+    NaN, across every lane and a scalar tail."""
+    gen = torch.Generator().manual_seed(3)
+    lo, hi = -87.33654, 88.37626
+    spread = (30 * torch.randn(100_003, generator=gen)).clamp(lo + 1e-4, hi - 1e-4)
+    x = torch.cat([torch.linspace(lo + 1e-4, hi - 1e-4, 2_000_003), spread])
+    got = _ops(isa).exp_f32(x).double()
+    want = torch.exp(x.double())
+    ulp = torch.pow(2.0, torch.floor(torch.log2(want)).clamp(min=-126) - 23)
+    assert ((got - want).abs() / ulp).max() <= (1.5 if isa == "generic" else 1.0)
+    edges = torch.tensor([float("-inf"), -1000.0, -87.34, 0.0, -0.0, 88.38, 1000.0, float("inf")])
+    assert _ops(isa).exp_f32(edges).tolist() == [0, 0, 0, 1, 1, *[float("inf")] * 3]
+    assert _ops(isa).exp_f32(torch.tensor([float("nan")] * 3)).isnan().all()
+
+
 def _elementwise_outputs(ops, rows: int = 64, width: int = 576, heads=(9, 3), head_dim: int = 64):
     """Every bfloat16 elementwise kernel's outputs on one set of inputs, with denormals, NaNs,
     infinities and signed zeros among them."""
