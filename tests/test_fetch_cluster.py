@@ -187,16 +187,20 @@ def _fetch_story(procs, metrics: dict[str, int], name: str) -> str:
     """A replica's fetch counters by outcome and the end of its log, for a failure message:
     a fetch it skipped on cost, one that failed otherwise, and one it never tried (no holder
     found: a Redis lookup that timed out stops lookups for a while) all read 0 timeouts."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics[name]}/metrics", timeout=5).read()
-    counters = [line for line in body.decode().splitlines() if "kv_fetches_total{" in line]
+    counters = _fetch_counters(metrics[name])
     log = next(p for p in procs if p.name == name).logs(2000)
     return "fetch counters: " + "; ".join(counters or ["none"]) + f"\n{name}'s log:\n{log}"
 
 
-def _fetches(port: int, outcome: str) -> float:
+def _fetch_counters(port: int) -> list[str]:
+    """The replica's ``prefixmesh_kv_fetches_total`` lines, one per outcome."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for line in body.splitlines():
-        if line.startswith("prefixmesh_kv_fetches_total{") and f'outcome="{outcome}"' in line:
+    return [line for line in body.splitlines() if line.startswith("prefixmesh_kv_fetches_total{")]
+
+
+def _fetches(port: int, outcome: str) -> float:
+    for line in _fetch_counters(port):
+        if f'outcome="{outcome}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
