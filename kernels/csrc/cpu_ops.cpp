@@ -172,18 +172,17 @@ int64_t key_block_elements(const at::Tensor& k) {
 // cache.
 
 // exp in float32 to within 1 ulp (0.94 measured; 1.21 in the generic build, whose multiply-adds
-// round twice), inline: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts,
-// the first exact in 16 bits, so n * ln2_hi is exact), exp(r) by its Taylor series to r^7 (the
-// next term is below 1e-8 relative), times 2^n set in the exponent bits. Below -87.33 it
-// returns 0 (the exact value is a denormal under 1.2e-38), above 88.37 infinity (the exact
-// value is within a factor 1.4 of FLT_MAX): for the softmax's numerators and SiLU's
-// 1 / (1 + exp(-x)) neither changes a result beyond 1e-36. NaN stays NaN.
+// round twice), inline: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, the first exact in
+// 16 bits, so n * ln2_hi is exact), exp(r) by its Taylor series to r^7 (the next term is below
+// 1e-8 relative), times 2^n set in the exponent bits. Below -87.33 it returns 0 (the exact
+// value is a denormal under 1.2e-38), above 88.37 infinity (the exact value is within a factor
+// 1.4 of FLT_MAX): for the softmax's numerators and SiLU's 1 / (1 + exp(-x)) neither changes a
+// result beyond 1e-36. NaN stays NaN.
 // Sleef's exp (ATen's Vectorized::exp) is a function call, which makes a loop around it keep
 // its vectors in memory (every vector register is caller-saved): SiLU over a decode step's
-// [64, 3072] -> [64, 1536] ran 1.6x faster with this one
-// (docs/benchmarks.md). Sleef's is within 0.57 ulp, and SiLU no longer matches torch's float32
-// SiLU bit for bit (greedy outputs still match Hugging Face's; the tests bound the exp against
-// float64's).
+// [64, 3072] -> [64, 1536] ran 1.6x faster with this one (docs/benchmarks.md). Sleef's is
+// within 0.57 ulp, and SiLU no longer matches torch's float32 SiLU bit for bit (greedy outputs
+// still match Hugging Face's; the tests bound the exp against float64's).
 inline fVec exp_f32(const fVec& x) {
   const fVec lo(-87.33654f), hi(88.37626f);  // 2^-126 and 2^127.5: n stays in [-126, 127]
   const fVec xc = at::vec::clamp(x, lo, hi);
