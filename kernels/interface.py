@@ -7,11 +7,13 @@ a prefill chunk has more, with any number of cached tokens before it (a prefix-c
 earlier chunk). Attention is causal among the new tokens and full over the cached prefix.
 
 KV cache, per layer: ``k_cache`` and ``v_cache`` of shape
-``[num_blocks, block_size, num_kv_heads, head_dim]`` (made by :func:`new_kv_cache`). Values are
-contiguous; keys are either contiguous (``rows``) or a permuted view of
-``[num_blocks, num_kv_heads, head_dim, block_size]`` storage (``tokens``: token-minor, so one
-dimension of a block's tokens is contiguous for the CPU kernel's scores). Both are the same
-tensor to torch: indexing, copies and the wire format of fetched blocks do not depend on it. Token ``t`` of sequence ``b`` lives in block
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (made by :func:`new_kv_cache`), in one of
+two layouts named for their keys: ``rows`` (both contiguous) or ``tokens``, where the keys are a
+permuted view of ``[num_blocks, num_kv_heads, head_dim, block_size]`` storage (token-minor, so
+one dimension of a block's tokens is contiguous for the CPU kernel's scores) and the values one
+of ``[num_blocks, num_kv_heads, block_size, head_dim]`` storage (head-major, so each KV head's
+values in a block are one run, as its keys are). Either is the same tensor to torch: indexing,
+copies and the wire format of fetched blocks do not depend on it. Token ``t`` of sequence ``b`` lives in block
 ``block_tables[b, t // block_size]`` at offset ``t % block_size``; ``slot_mapping[i]`` is the flat
 slot ``block * block_size + offset`` for new token ``i``. Queries have ``num_heads`` heads, a
 multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV head ``h // (num_heads //
@@ -64,16 +66,16 @@ def new_kv_cache(
     pin_memory: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's zeroed ``(k_cache, v_cache)``, both ``[num_blocks, block_size, num_kv_heads,
-    head_dim]``, the keys in ``key_layout`` (see the module's docstring)."""
+    head_dim]``, stored as ``key_layout`` says for both (see the module's docstring)."""
     if key_layout not in KEY_LAYOUTS:
         raise ValueError(f"key_layout must be one of {KEY_LAYOUTS} (got {key_layout!r})")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     opts = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
-    values = torch.zeros(shape, **opts)
     if key_layout == "rows":
-        return torch.zeros(shape, **opts), values
+        return torch.zeros(shape, **opts), torch.zeros(shape, **opts)
     keys = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, **opts)
-    return keys.permute(0, 3, 1, 2), values
+    values = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, **opts)
+    return keys.permute(0, 3, 1, 2), values.permute(0, 2, 1, 3)
 
 
 def key_layout_of(k_cache: torch.Tensor) -> str:

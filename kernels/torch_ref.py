@@ -136,8 +136,9 @@ class TorchAttentionBackend(AttentionBackend):
             )
 
     def key_layout(self, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
-        """``tokens`` where the C++ kernel scores keys with FMAs (no sums across a vector's
-        lanes in that layout); ``rows`` on the torch path, and for bfloat16 on an AMX build,
+        """The KV cache layout (``kernels.interface``, named for its keys): ``tokens`` where
+        the C++ kernel scores keys with FMAs (no sums across a vector's lanes in that layout;
+        its values are head-major); ``rows`` on the torch path, and for bfloat16 on an AMX build,
         whose tile unit scores keys in rows. ``PREFIXMESH_KEY_LAYOUT=rows|tokens`` overrides
         ``auto`` (where the kernel can read the layout), for A/B runs and tests."""
         setting = os.environ.get("PREFIXMESH_KEY_LAYOUT", "auto")
@@ -152,14 +153,9 @@ class TorchAttentionBackend(AttentionBackend):
         return "rows" if tiles else "tokens"
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         self.kv_written(key, value)
-        if k_cache.is_contiguous():
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        else:  # token-minor keys: the same slots, through the permuted view
-            block_size = k_cache.shape[1]
-            k_cache[slot_mapping // block_size, slot_mapping % block_size] = key
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        _write_slots(k_cache, slot_mapping, key)
+        _write_slots(v_cache, slot_mapping, value)
 
     @property
     def wants_new_kv(self) -> bool:
@@ -258,3 +254,13 @@ class TorchAttentionBackend(AttentionBackend):
             and self._cpu_kernel is not None
             and query.device.type == "cpu"
         )
+
+
+def _write_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows`` ([T, KVH, D]) into ``cache``'s flat slots, in either layout: a contiguous cache
+    as a flat index copy, a permuted one (token-minor keys, head-major values) through its view."""
+    if cache.is_contiguous():
+        cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slot_mapping, rows)
+    else:
+        block_size = cache.shape[1]
+        cache[slot_mapping // block_size, slot_mapping % block_size] = rows

@@ -186,8 +186,14 @@ def test_a_key_cache_layout_the_kernels_cannot_read_is_refused(isa):
     odd = k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
     with pytest.raises(RuntimeError, match="contiguous, or token-minor"):
         ops.paged_decode(case.query, odd, v_cache, tables, lens, case.scale)
-    with pytest.raises(RuntimeError, match="v_cache must be contiguous"):
+    with pytest.raises(RuntimeError, match="with keys in rows, v_cache must be contiguous"):
         ops.paged_decode(case.query, k_cache, odd, tables, lens, case.scale)
+    # Token-minor keys come with head-major values (kernels.interface.new_kv_cache), not rows.
+    token_keys, _ = new_kv_cache(*k_cache.shape, dtype=torch.float32, key_layout="tokens")
+    with pytest.raises(RuntimeError, match="v_cache must be head-major"):
+        ops.paged_decode(case.query, token_keys, v_cache, tables, lens, case.scale)
+    with pytest.raises(RuntimeError, match="v_cache must be head-major"):
+        ops.read_kv_once(token_keys, v_cache, tables, lens)
     # Token-minor keys need whole vectors of tokens in a block.
     narrow, _ = new_kv_cache(4, 4, 2, 64, dtype=torch.float32, key_layout="tokens")
     with pytest.raises(RuntimeError, match="multiple of"):
@@ -235,12 +241,42 @@ def test_the_backend_chooses_the_key_layout_its_kernel_reads_fastest(
 def test_new_kv_cache_makes_both_layouts_as_one_logical_shape():
     for keys in KEY_LAYOUTS:
         k, v = new_kv_cache(3, 16, 2, 8, dtype=torch.bfloat16, key_layout=keys)
-        assert k.shape == v.shape == (3, 16, 2, 8) and v.is_contiguous()
-        assert key_layout_of(k) == keys and not k.any()
-    k, _ = new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="tokens")
+        assert k.shape == v.shape == (3, 16, 2, 8)
+        assert key_layout_of(k) == keys and not k.any() and not v.any()
+    k, v = new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="rows")
+    assert k.is_contiguous() and v.is_contiguous()
+    k, v = new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="tokens")
     assert k.stride() == (2 * 8 * 16, 1, 8 * 16, 16)  # [blocks, heads, dims, tokens] storage
+    assert v.stride() == (2 * 16 * 8, 8, 16 * 8, 1)  # [blocks, heads, tokens, dims] storage
     with pytest.raises(ValueError, match="key_layout"):
         new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="columns")
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("keys", KEY_LAYOUTS)
+def test_the_read_floor_reads_every_attended_key_and_value_once(isa, keys):
+    # read_kv_once, the benchmarks' attention floor, sums what it reads: each sequence's keys
+    # and values, counted once, in either layout (values head-major next to token-minor keys,
+    # last blocks partly filled). Unused key slots are zeros (token-minor keys are read a whole
+    # block at a time, as the kernel reads them), unused value slots NaN: never read.
+    ops = _ops(isa)
+    block, kv_heads, head_dim = 16, 3, 64
+    lens = [37, 16, 1, 70]
+    tables = torch.tensor([[5, 2, 9, 0, 0], [7, 0, 0, 0, 0], [1, 0, 0, 0, 0], [3, 8, 4, 6, 10]])
+    k_cache, v_cache = new_kv_cache(
+        11, block, kv_heads, head_dim, dtype=torch.float32, key_layout=keys
+    )
+    v_cache.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(1)
+    expected = 0.0
+    for row, n in zip(tables.tolist(), lens):
+        for t in range(n):
+            k, v = torch.rand(2, kv_heads, head_dim, generator=gen)
+            k_cache[row[t // block], t % block] = k
+            v_cache[row[t // block], t % block] = v
+            expected += float(k.double().sum() + v.double().sum())
+    got = ops.read_kv_once(k_cache, v_cache, tables.int(), torch.tensor(lens, dtype=torch.int32))
+    assert got == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
@@ -347,8 +383,11 @@ def test_rope_rotates_q_and_k_and_writes_the_cache(isa, dtype, head_dim, keys, b
     )  # fmt: skip
     got = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
     _close(got, expected, dtype)
-    # (reshape: a copy for token-minor keys, read only)
-    flat_k, flat_v = k_cache.reshape(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    # (reshape: a copy in the tokens layout, read only)
+    flat_k, flat_v = (
+        k_cache.reshape(-1, kv_heads, head_dim),
+        v_cache.reshape(-1, kv_heads, head_dim),
+    )
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             assert torch.equal(flat_k[slot], got[t, heads : heads + kv_heads])

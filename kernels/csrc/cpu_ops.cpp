@@ -136,11 +136,13 @@ inline void prefetch_span(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) prefetch(c + b);
 }
 
-// Row offsets (in elements) of a sequence's first `len` tokens in a paged cache.
-inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t row, int64_t* out) {
+// Offsets (in elements) of a sequence's first `len` tokens' rows in a paged cache whose blocks
+// hold `block` elements, `step` elements from one token's row to the next within a block.
+inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t block, int64_t step,
+                       int64_t* out) {
   for (int64_t start = 0, b = 0; start < len; start += BS, ++b) {
-    const int64_t base = int64_t(table[b]) * BS, n = std::min(BS, len - start);
-    for (int64_t j = 0; j < n; ++j) out[start + j] = (base + j) * row;
+    const int64_t base = int64_t(table[b]) * block, n = std::min(BS, len - start);
+    for (int64_t j = 0; j < n; ++j) out[start + j] = base + j * step;
   }
 }
 
@@ -160,6 +162,26 @@ int64_t key_block_elements(const at::Tensor& k) {
   TORCH_CHECK(BS % W == 0, "token-minor keys need block_size to be a multiple of ", W,
               " (this build's vector width), got ", BS);
   return KVH * D * BS;
+}
+
+// Values are stored as the keys' layout says: in rows (contiguous) next to keys in rows, and
+// head-major within each block next to token-minor keys: the [num_blocks, block_size,
+// num_kv_heads, head_dim] view of [num_blocks, num_kv_heads, block_size, head_dim] storage, so
+// that each (block, KV head)'s values are one run of BS * D elements, as its keys are. Anything
+// else is refused. Returns the key cache's key_block_elements.
+int64_t check_kv_layout(const at::Tensor& k, const at::Tensor& v) {
+  const int64_t kblock = key_block_elements(k);
+  TORCH_CHECK(v.sizes() == k.sizes(), "k_cache and v_cache must have the same shape");
+  const int64_t BS = v.size(1), KVH = v.size(2), D = v.size(3);
+  const bool heads = v.stride(3) == 1 && v.stride(1) == D && v.stride(2) == BS * D &&
+                     (v.size(0) == 1 || v.stride(0) == KVH * BS * D);
+  TORCH_CHECK(kblock > 0 ? heads : v.is_contiguous(),
+              kblock > 0 ? "with token-minor keys, v_cache must be head-major in each block: the "
+                           "[num_blocks, block_size, num_kv_heads, head_dim] view of [num_blocks, "
+                           "num_kv_heads, block_size, head_dim] storage"
+                         : "with keys in rows, v_cache must be contiguous",
+              " (kernels.interface.new_kv_cache makes both)");
+  return kblock;
 }
 
 // ---------------------------------------------------------------- paged decode attention
@@ -611,7 +633,7 @@ void attend_item_tokens(const T* q, int64_t q_head_stride, const T* kc, const T*
     for (int64_t g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i)
         (loadf(q + (kvh * G + g) * q_head_stride + i * W) * sv).store(&qf[g * D + i * W]);
-    const int64_t k_off = kvh * D * BS, v_off = kvh * D;
+    const int64_t k_off = kvh * D * BS, v_off = kvh * BS * D;  // values head-major, as the keys
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const float* qg = qf.data() + g0 * D;
       T* og = out + (kvh * G + g0) * D;
@@ -633,9 +655,11 @@ void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
                  float* scores, T* out) {
   constexpr int V = D / W;
   static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
-  // Each token's row offset in the caches, worked out once (block by block, no divisions).
+  // Each token's row offset in the caches, worked out once (block by block, no divisions):
+  // the values' rows (and the keys', where they are in rows too). Next to token-minor keys the
+  // values are head-major in each block, one head's rows D elements apart.
   std::vector<int64_t> rows(len);
-  token_rows(table, len, BS, row, rows.data());
+  token_rows(table, len, BS, BS * row, kblock > 0 ? D : row, rows.data());
   if (kblock > 0)
     return attend_item_tokens<T, D>(q, q_head_stride, kc, vc, table, rows.data(), len,
                                     kvh_begin, kvh_end, G, BS, kblock, scale, scores, out);
@@ -689,7 +713,7 @@ struct Paged {
   int64_t MB;
   const int32_t* lens;
   T* out;
-  int64_t kblock;  // > 0: token-minor keys, elements a block (key_block_elements)
+  int64_t kblock;  // > 0: token-minor keys and head-major values, elements a block
 
   Paged(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
         const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& output)
@@ -707,7 +731,7 @@ struct Paged {
         MB(block_tables.size(1)),
         lens(seq_lens.data_ptr<int32_t>()),
         out(output.data_ptr<T>()),
-        kblock(key_block_elements(k_cache)) {}
+        kblock(check_kv_layout(k_cache, v_cache)) {}
 
   // Sequence s's one query (packed row r) against its whole context, KV heads [h0, h1).
   template <int D>
@@ -849,7 +873,8 @@ void stage_kv_tokens(const T* kc, const T* vc, const int32_t* table, int64_t BS,
       std::fill(out + d * W + n, out + d * W + W, 0.f);  // past the end: zero, as stage_kv
     }
     for (int64_t t = t0; t < t0 + n; ++t)
-      for (int i = 0; i < V; ++i) loadf(vc + rows[t] + h * D + i * W).store(vf + t * D + i * W);
+      for (int i = 0; i < V; ++i)
+        loadf(vc + rows[t] + h * BS * D + i * W).store(vf + t * D + i * W);
   }
 }
 
@@ -977,7 +1002,8 @@ void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float sc
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = staged[item / KVH], h = item % KVH;
       rows.resize(lp[s]);
-      token_rows(p.tables + s * p.MB, lp[s], p.BS, p.row, rows.data());
+      token_rows(p.tables + s * p.MB, lp[s], p.BS, p.BS * p.row, p.kblock > 0 ? D : p.row,
+                 rows.data());
       float* kts = kt.get() + kt_at[s * KVH + h];
       float* vfs = vf.get() + vf_at[s * KVH + h];
       if (p.kblock > 0)
@@ -1042,7 +1068,8 @@ template <typename T>
 double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                const at::Tensor& lens) {
   const int64_t B = tables.size(0), MB = tables.size(1), BS = k_cache.size(1);
-  const int64_t row = k_cache.size(2) * k_cache.size(3), kblock = key_block_elements(k_cache);
+  const int64_t KVH = k_cache.size(2), D = k_cache.size(3), row = KVH * D;
+  const int64_t kblock = check_kv_layout(k_cache, v_cache);
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   const int32_t* tp = tables.data_ptr<int32_t>();
@@ -1054,21 +1081,39 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
       B, [&](int64_t b) { return int64_t(lp[b]); },
       [&](int64_t b, std::vector<int64_t>& rows) {
         fVec acc(0.f);
-        rows.resize(lp[b]);
-        token_rows(tp + b * MB, lp[b], BS, row, rows.data());
-        if (kblock > 0) {  // token-minor keys: each block's run, whole (the same cache lines)
-          const int64_t blocks = (lp[b] + BS - 1) / BS;
+        const int32_t* table = tp + b * MB;
+        const int64_t len = lp[b], blocks = (len + BS - 1) / BS;
+        if (kblock > 0) {
+          // Token-minor keys: each block's run, whole (the same cache lines the kernel reads);
+          // then head-major values: each head's rows of a block's tokens, one run.
           for (int64_t j = 0; j < blocks; ++j) {
             if (j + PREFETCH_BLOCKS < blocks)
-              prefetch_span(kc + tp[b * MB + j + PREFETCH_BLOCKS] * kblock, kblock * sizeof(T));
-            const T* r = kc + tp[b * MB + j] * kblock;
-            for (int64_t i = 0; i + W <= kblock; i += W) acc = acc + loadf(r + i);
+              prefetch_span(kc + table[j + PREFETCH_BLOCKS] * kblock, kblock * sizeof(T));
+            const T* k = kc + table[j] * kblock;
+            for (int64_t i = 0; i + W <= kblock; i += W) acc = acc + loadf(k + i);
           }
+          auto value_run = [&](int64_t j, int64_t h) {
+            return std::make_pair(vc + table[j] * kblock + h * BS * D,
+                                  std::min(BS, len - j * BS) * D);
+          };
+          for (int64_t j = 0; j < blocks; ++j) {
+            for (int64_t h = 0; h < KVH; ++h) {
+              if (j + PREFETCH_BLOCKS < blocks) {
+                const auto [ahead, n] = value_run(j + PREFETCH_BLOCKS, h);
+                prefetch_span(ahead, n * sizeof(T));
+              }
+              const auto [v, n] = value_run(j, h);
+              for (int64_t i = 0; i + W <= n; i += W) acc = acc + loadf(v + i);
+            }
+          }
+          partial[b] = hsum(acc);
+          return;
         }
+        rows.resize(len);
+        token_rows(table, len, BS, BS * row, row, rows.data());
         for (const T* cache : {kc, vc}) {
-          if (cache == kc && kblock > 0) continue;
-          for (int64_t t = 0; t < lp[b]; ++t) {
-            if (t + PREFETCH_TOKENS < lp[b])
+          for (int64_t t = 0; t < len; ++t) {
+            if (t + PREFETCH_TOKENS < len)
               prefetch_span(cache + rows[t + PREFETCH_TOKENS], row * sizeof(T));
             const T* r = cache + rows[t];
             for (int64_t i = 0; i + W <= row; i += W) acc = acc + loadf(r + i);
@@ -1200,8 +1245,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache
                         at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [B, H, D] with contiguous heads");
-  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
-  key_block_elements(k_cache);  // refuses a layout the kernels cannot read
+  check_kv_layout(k_cache, v_cache);  // refuses a layout the kernels cannot read
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 16,
               "query heads must be a multiple (<= 16) of the KV heads");
@@ -1217,8 +1261,7 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor k_cache, at::Tensor v_cach
                          at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [N, H, D] with contiguous heads");
-  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
-  key_block_elements(k_cache);  // refuses a layout the kernels cannot read
+  check_kv_layout(k_cache, v_cache);  // refuses a layout the kernels cannot read
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
                   query_start_loc.is_contiguous(),
               "block tables, query starts and lengths must be contiguous");
@@ -1289,8 +1332,7 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
   TORCH_CHECK(qkv.size(1) >= (num_heads + 2 * num_kv_heads) * D, "qkv too narrow");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong);
-  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
-  const int64_t kblock = key_block_elements(k_cache);
+  const int64_t kblock = check_kv_layout(k_cache, v_cache);
   PM_DISPATCH(qkv.scalar_type(), "rope_write_kv",
               PM_ELEMENTWISE(rope_write<scalar_t>(
                   qkv.data_ptr<scalar_t>(), qkv.size(0), qkv.stride(0),

@@ -118,14 +118,19 @@ void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, cons
       }
       if (slots[t] < 0) continue;  // padding
       const int64_t kv = KVH * D;
-      if (kblock > 0) {  // token-minor keys: element d of head h at h * D * BS + d * BS
+      const T* k_src = row + H * D;
+      const T* v_src = k_src + kv;
+      if (kblock > 0) {
+        // Token-minor keys (element d of head h at h * D * BS + d * BS) and head-major values
+        // (head h's row at h * BS * D + offset * D) in the slot's block.
         T* k = kc + slots[t] / BS * kblock + slots[t] % BS;
-        const T* src = row + H * D;
-        for (int64_t e = 0; e < kv; ++e) k[e * BS] = src[e];
+        for (int64_t e = 0; e < kv; ++e) k[e * BS] = k_src[e];
+        T* v = vc + slots[t] / BS * kblock + slots[t] % BS * D;
+        for (int64_t h = 0; h < KVH; ++h) std::copy(v_src + h * D, v_src + (h + 1) * D, v + h * BS * D);
       } else {
-        std::copy(row + H * D, row + H * D + kv, kc + slots[t] * kv);
+        std::copy(k_src, k_src + kv, kc + slots[t] * kv);
+        std::copy(v_src, v_src + kv, vc + slots[t] * kv);
       }
-      std::copy(row + H * D + kv, row + H * D + 2 * kv, vc + slots[t] * kv);
     }
   });
 }

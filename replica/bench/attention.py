@@ -110,8 +110,8 @@ def run(args) -> dict:
     rows = [(k_cache, v_cache)] + [
         (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(args.layers - 1)
     ]
-    # The same keys in each layout the kernel reads (kernels.interface.new_kv_cache).
-    caches = {"rows": rows, "tokens": [(_token_minor(k), v) for k, v in rows]}
+    # The same keys and values in each layout the kernel reads (kernels.interface.new_kv_cache).
+    caches = {"rows": rows, "tokens": [_token_minor(k, v) for k, v in rows]}
 
     def per_layer_ms(fn) -> float:
         return seconds_per_call(fn, args.iters, warmup=3) * 1000 / args.layers
@@ -184,12 +184,12 @@ def _compare(outputs: dict, result: dict) -> None:
         result["speedup"] = result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
 
 
-def _token_minor(keys):
-    """``keys`` (a contiguous cache) copied into the token-minor layout."""
+def _token_minor(keys, values):
+    """``keys`` and ``values`` (contiguous caches) copied into the ``tokens`` layout."""
     from kernels.interface import new_kv_cache
 
-    out, _ = new_kv_cache(*keys.shape, dtype=keys.dtype, key_layout="tokens")
-    return out.copy_(keys)
+    k, v = new_kv_cache(*keys.shape, dtype=keys.dtype, key_layout="tokens")
+    return k.copy_(keys), v.copy_(values)
 
 
 def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
