@@ -8,11 +8,12 @@ earlier chunk). Attention is causal among the new tokens and full over the cache
 
 KV cache, per layer: ``k_cache`` and ``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (made by :func:`new_kv_cache`), in one of
-two layouts named for their keys: ``rows`` (both contiguous) or ``tokens``, where the keys are a
-permuted view of ``[num_blocks, num_kv_heads, head_dim, block_size]`` storage (token-minor, so
-one dimension of a block's tokens is contiguous for the CPU kernel's scores) and the values one
-of ``[num_blocks, num_kv_heads, block_size, head_dim]`` storage (head-major, so each KV head's
-values in a block are one run, as its keys are). Either is the same tensor to torch: indexing,
+three layouts named for their keys: ``rows`` (both contiguous: each token's heads one after
+another); ``tokens``, where the keys are a permuted view of ``[num_blocks, num_kv_heads,
+head_dim, block_size]`` storage (token-minor, so one dimension of a block's tokens is contiguous
+for the CPU kernel's scores) and the values head-major; and ``heads``, keys and values both
+head-major: permuted views of ``[num_blocks, num_kv_heads, block_size, head_dim]`` storage, so
+that each KV head's rows in a block are one run. Each is the same tensor to torch: indexing,
 copies and the wire format of fetched blocks do not depend on it. Token ``t`` of sequence ``b`` lives in block
 ``block_tables[b, t // block_size]`` at offset ``t % block_size``; ``slot_mapping[i]`` is the flat
 slot ``block * block_size + offset`` for new token ``i``. Queries have ``num_heads`` heads, a
@@ -51,7 +52,7 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
-KEY_LAYOUTS = ("rows", "tokens")
+KEY_LAYOUTS = ("rows", "tokens", "heads")
 
 
 def new_kv_cache(
@@ -73,14 +74,22 @@ def new_kv_cache(
     opts = {"dtype": dtype, "device": device, "pin_memory": pin_memory}
     if key_layout == "rows":
         return torch.zeros(shape, **opts), torch.zeros(shape, **opts)
+
+    def head_major() -> torch.Tensor:
+        return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, **opts).transpose(1, 2)
+
+    if key_layout == "heads":
+        return head_major(), head_major()
     keys = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, **opts)
-    values = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, **opts)
-    return keys.permute(0, 3, 1, 2), values.permute(0, 2, 1, 3)
+    return keys.permute(0, 3, 1, 2), head_major()
 
 
 def key_layout_of(k_cache: torch.Tensor) -> str:
-    """``rows`` or ``tokens``: how ``k_cache`` (made by :func:`new_kv_cache`) is stored."""
-    return "rows" if k_cache.is_contiguous() else "tokens"
+    """``rows``, ``tokens`` or ``heads``: how ``k_cache`` (made by :func:`new_kv_cache`) is
+    stored."""
+    if k_cache.is_contiguous():
+        return "rows"
+    return "tokens" if k_cache.stride(1) == 1 else "heads"
 
 
 class AttentionBackend(ABC):

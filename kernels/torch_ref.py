@@ -139,13 +139,20 @@ class TorchAttentionBackend(AttentionBackend):
         """The KV cache layout (``kernels.interface``, named for its keys): ``tokens`` where
         the C++ kernel scores keys with FMAs (no sums across a vector's lanes in that layout;
         its values are head-major); ``rows`` on the torch path, and for bfloat16 on an AMX build,
-        whose tile unit scores keys in rows. ``PREFIXMESH_KEY_LAYOUT=rows|tokens`` overrides
-        ``auto`` (where the kernel can read the layout), for A/B runs and tests."""
+        whose tile unit scores keys in rows (or head-major: ``heads``, not yet measured there).
+        ``PREFIXMESH_KEY_LAYOUT=rows|tokens|heads`` overrides ``auto`` (where the kernel can
+        read the layout), for A/B runs and tests."""
         setting = os.environ.get("PREFIXMESH_KEY_LAYOUT", "auto")
         if setting not in ("auto", *KEY_LAYOUTS):
-            raise ValueError(f"PREFIXMESH_KEY_LAYOUT must be auto, rows or tokens, got {setting!r}")
+            raise ValueError(
+                f"PREFIXMESH_KEY_LAYOUT must be auto, rows, tokens or heads, got {setting!r}"
+            )
         kernel = self._cpu_kernel if self._use_cpu_kernel else None
-        if kernel is None or block_size % kernel.vector_width() != 0:
+        if kernel is None:
+            return "rows"
+        if setting == "heads":
+            return setting
+        if block_size % kernel.vector_width() != 0:  # token-minor keys need whole vectors
             return "rows"
         if setting != "auto":
             return setting

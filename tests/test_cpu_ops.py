@@ -120,22 +120,28 @@ TILE_SHAPES = [
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("many", [False, True], ids=["per-kv-head", "per-sequence"])
-def test_decode_scores_as_emulated_tile_products_match_the_reference(isa, many, scorer):
+@pytest.mark.parametrize("keys", ["rows", "heads"])
+def test_decode_scores_as_emulated_tile_products_match_the_reference(isa, many, keys, scorer):
     # The tile path's arithmetic in plain C++ (every build has it): the queries' pair layout,
-    # the walk over blocks, the padded score rows and their softmax, on any CPU.
+    # the walk over blocks, the padded score rows and their softmax, on any CPU; keys in rows
+    # or head-major (the tiles load either with its row stride).
     module = _ops(isa)
     scorer(module, "emulated")
     rng = random.Random(7)
     for block_size, heads, kv_heads, head_dim in TILE_SHAPES:
         count = 4 * torch.get_num_threads() + 3 if many else 2
         seqs = [(rng.randint(1, 90), 1) for _ in range(count)] + [(15, 1), (31, 1)]
-        case = Case(seqs, block_size, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim)
+        case = Case(
+            seqs, block_size, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim,
+            key_layout=keys,
+        )  # fmt: skip
         out, _, _ = case.run(TorchAttentionBackend(isa=isa))
         check_close(out, case.naive(), torch.bfloat16)
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
-def test_decode_scores_by_amx_tiles_where_the_build_and_cpu_have_them(isa, scorer):
+@pytest.mark.parametrize("keys", ["rows", "heads"])
+def test_decode_scores_by_amx_tiles_where_the_build_and_cpu_have_them(isa, keys, scorer):
     module = _ops(isa)
     if scorer(module, "auto") != "amx":
         # Only the AMX build has tiles, and only where Linux hands them out (5.16+): asking
@@ -147,7 +153,10 @@ def test_decode_scores_by_amx_tiles_where_the_build_and_cpu_have_them(isa, score
     rng = random.Random(11)
     for block_size, heads, kv_heads, head_dim in TILE_SHAPES:
         seqs = [(rng.randint(1, 200), 1) for _ in range(4 * torch.get_num_threads() + 1)]
-        case = Case(seqs, block_size, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim)
+        case = Case(
+            seqs, block_size, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim,
+            key_layout=keys,
+        )  # fmt: skip
         outs = {}
         for mode in ("amx", "emulated", "fma"):
             scorer(module, mode)
@@ -182,9 +191,9 @@ def test_a_key_cache_layout_the_kernels_cannot_read_is_refused(isa):
     case = Case([(20, 1), (40, 1)], 16, 6, 2, 64, torch.float32)
     k_cache, v_cache = case.caches()
     lens, tables = case.meta.seq_lens, case.meta.block_tables
-    # Heads outermost: neither rows nor token-minor.
-    odd = k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    with pytest.raises(RuntimeError, match="contiguous, or token-minor"):
+    # Blocks innermost: none of rows, token-minor or head-major.
+    odd = k_cache.permute(3, 1, 2, 0).contiguous().permute(3, 1, 2, 0)
+    with pytest.raises(RuntimeError, match="contiguous \\(rows\\), token-minor .* or head-major"):
         ops.paged_decode(case.query, odd, v_cache, tables, lens, case.scale)
     with pytest.raises(RuntimeError, match="with keys in rows, v_cache must be contiguous"):
         ops.paged_decode(case.query, k_cache, odd, tables, lens, case.scale)
@@ -194,10 +203,13 @@ def test_a_key_cache_layout_the_kernels_cannot_read_is_refused(isa):
         ops.paged_decode(case.query, token_keys, v_cache, tables, lens, case.scale)
     with pytest.raises(RuntimeError, match="v_cache must be head-major"):
         ops.read_kv_once(token_keys, v_cache, tables, lens)
+    head_keys, _ = new_kv_cache(*k_cache.shape, dtype=torch.float32, key_layout="heads")
+    with pytest.raises(RuntimeError, match="with head-major keys, v_cache must be head-major"):
+        ops.paged_decode(case.query, head_keys, v_cache, tables, lens, case.scale)
     # Token-minor keys need whole vectors of tokens in a block.
-    narrow, _ = new_kv_cache(4, 4, 2, 64, dtype=torch.float32, key_layout="tokens")
+    narrow_k, narrow_v = new_kv_cache(4, 4, 2, 64, dtype=torch.float32, key_layout="tokens")
     with pytest.raises(RuntimeError, match="multiple of"):
-        ops.read_kv_once(narrow, torch.zeros(4, 4, 2, 64), tables[:, :1] % 4, lens.clamp(max=4))
+        ops.read_kv_once(narrow_k, narrow_v, tables[:, :1] % 4, lens.clamp(max=4))
 
 
 class _FakeKernel:
@@ -233,8 +245,10 @@ def test_the_backend_chooses_the_key_layout_its_kernel_reads_fastest(
     assert backend.key_layout(dtype, block, 64) == "rows"
     monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", "tokens")
     assert backend.key_layout(dtype, block, 64) == ("tokens" if block % width == 0 else "rows")
+    monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", "heads")  # any block size
+    assert backend.key_layout(dtype, block, 64) == "heads"
     monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", "columns")
-    with pytest.raises(ValueError, match="auto, rows or tokens"):
+    with pytest.raises(ValueError, match="auto, rows, tokens or heads"):
         backend.key_layout(dtype, block, 64)
 
 
@@ -248,6 +262,8 @@ def test_new_kv_cache_makes_both_layouts_as_one_logical_shape():
     k, v = new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="tokens")
     assert k.stride() == (2 * 8 * 16, 1, 8 * 16, 16)  # [blocks, heads, dims, tokens] storage
     assert v.stride() == (2 * 16 * 8, 8, 16 * 8, 1)  # [blocks, heads, tokens, dims] storage
+    k, v = new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="heads")
+    assert k.stride() == v.stride() == (2 * 16 * 8, 8, 16 * 8, 1)
     with pytest.raises(ValueError, match="key_layout"):
         new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="columns")
 
@@ -358,7 +374,7 @@ def test_rms_norm_and_its_residual_add(isa, dtype, width, rows):
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 16])
-@pytest.mark.parametrize(("keys", "block"), [("rows", 4), ("tokens", 16)])
+@pytest.mark.parametrize(("keys", "block"), [("rows", 4), ("tokens", 16), ("heads", 4)])
 def test_rope_rotates_q_and_k_and_writes_the_cache(isa, dtype, head_dim, keys, block):
     ops = _ops(isa)
     heads, kv_heads, tokens = 6, 2, 5

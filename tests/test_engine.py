@@ -96,10 +96,11 @@ def test_batch_matches_hugging_face(tiny_model_dir, hf_model, monkeypatch, gemm)
         assert got == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("keys", ["rows", "tokens"])
-def test_either_key_cache_layout_matches_hugging_face(tiny_model_dir, hf_model, monkeypatch, keys):
-    # Keys in rows (AMX machines' bfloat16 default) or token-minor (every other CPU's, where the
-    # kernels build): prefill, chunked prefill and decode read the layout the engine allocated.
+@pytest.mark.parametrize("keys", ["rows", "tokens", "heads"])
+def test_every_kv_cache_layout_matches_hugging_face(tiny_model_dir, hf_model, monkeypatch, keys):
+    # Keys in rows (AMX machines' bfloat16 default), token-minor (every other CPU's, where the
+    # kernels build) or head-major: prefill, chunked prefill and decode read the layout the
+    # engine allocated.
     from kernels import cpu_ops
 
     monkeypatch.setenv("PREFIXMESH_KEY_LAYOUT", keys)

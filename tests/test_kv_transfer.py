@@ -51,7 +51,9 @@ def test_fetched_prefix_gives_the_cold_output(tiny_model_dir, dtype):
         assert llm.engine.get_stats().free_blocks == llm.engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize(("src_keys", "dst_keys"), [("rows", "tokens"), ("tokens", "rows")])
+@pytest.mark.parametrize(
+    ("src_keys", "dst_keys"), [("rows", "tokens"), ("tokens", "rows"), ("heads", "tokens")]
+)
 def test_blocks_move_between_replicas_that_store_keys_differently(
     tiny_model_dir, monkeypatch, src_keys, dst_keys
 ):

@@ -147,41 +147,59 @@ inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t bl
 }
 
 // ---------------------------------------------------------------- key cache layouts
-// Elements per block of a token-minor key cache (see "keys in token-minor order" below), or 0
-// for one in rows (contiguous [blocks, BS, KVH, D]); anything else is refused.
-int64_t key_block_elements(const at::Tensor& k) {
-  TORCH_CHECK(k.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
-  if (k.is_contiguous()) return 0;
-  const int64_t BS = k.size(1), KVH = k.size(2), D = k.size(3);
-  const bool tokens = k.stride(1) == 1 && k.stride(3) == BS && k.stride(2) == D * BS &&
-                      (k.size(0) == 1 || k.stride(0) == KVH * D * BS);
-  TORCH_CHECK(tokens,
-              "k_cache must be contiguous, or token-minor: the [num_blocks, block_size, "
-              "num_kv_heads, head_dim] view of [num_blocks, num_kv_heads, head_dim, block_size] "
-              "storage (kernels.interface.new_kv_cache)");
-  TORCH_CHECK(BS % W == 0, "token-minor keys need block_size to be a multiple of ", W,
-              " (this build's vector width), got ", BS);
-  return KVH * D * BS;
+// ---------------------------------------------------------------- cache layouts
+// A layer's caches are [num_blocks, BS, KVH, D] tensors (kernels.interface.new_kv_cache) in one
+// of three layouts, named for their keys:
+//   rows:   keys and values contiguous, each token's KV heads one after another;
+//   tokens: keys token-minor, the view of [num_blocks, KVH, D, BS] storage (see "keys in
+//           token-minor order" below), values head-major;
+//   heads:  keys and values head-major, the view of [num_blocks, KVH, BS, D] storage, so that
+//           each (block, KV head)'s rows are one run of BS * D elements.
+// Every block holds BS * KVH * D elements whatever the layout. Token j of a block, KV head h,
+// sits at j * step + h * head past the block's start in rows and head-major caches.
+struct KvLayout {
+  int64_t kblock;  // > 0: token-minor keys, elements a block; 0: keys in rows, as the values
+  int64_t step;    // from one token's row to the next in a block: KVH * D in rows, D head-major
+  int64_t head;    // from one KV head's row to the next: D in rows, BS * D head-major
+};
+
+bool is_head_major(const at::Tensor& c) {
+  const int64_t BS = c.size(1), KVH = c.size(2), D = c.size(3);
+  return c.stride(3) == 1 && c.stride(1) == D && c.stride(2) == BS * D &&
+         (c.size(0) == 1 || c.stride(0) == KVH * BS * D);
 }
 
-// Values are stored as the keys' layout says: in rows (contiguous) next to keys in rows, and
-// head-major within each block next to token-minor keys: the [num_blocks, block_size,
-// num_kv_heads, head_dim] view of [num_blocks, num_kv_heads, block_size, head_dim] storage, so
-// that each (block, KV head)'s values are one run of BS * D elements, as its keys are. Anything
-// else is refused. Returns the key cache's key_block_elements.
-int64_t check_kv_layout(const at::Tensor& k, const at::Tensor& v) {
-  const int64_t kblock = key_block_elements(k);
+bool is_token_minor(const at::Tensor& c) {
+  const int64_t BS = c.size(1), KVH = c.size(2), D = c.size(3);
+  return c.stride(1) == 1 && c.stride(3) == BS && c.stride(2) == D * BS &&
+         (c.size(0) == 1 || c.stride(0) == KVH * D * BS);
+}
+
+// The layout of a (k_cache, v_cache) pair; anything else, or keys and values in different
+// layouts, is refused with an error naming the layouts.
+KvLayout check_kv_layout(const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(v.sizes() == k.sizes(), "k_cache and v_cache must have the same shape");
-  const int64_t BS = v.size(1), KVH = v.size(2), D = v.size(3);
-  const bool heads = v.stride(3) == 1 && v.stride(1) == D && v.stride(2) == BS * D &&
-                     (v.size(0) == 1 || v.stride(0) == KVH * BS * D);
-  TORCH_CHECK(kblock > 0 ? heads : v.is_contiguous(),
-              kblock > 0 ? "with token-minor keys, v_cache must be head-major in each block: the "
-                           "[num_blocks, block_size, num_kv_heads, head_dim] view of [num_blocks, "
-                           "num_kv_heads, block_size, head_dim] storage"
-                         : "with keys in rows, v_cache must be contiguous",
-              " (kernels.interface.new_kv_cache makes both)");
-  return kblock;
+  const int64_t BS = k.size(1), KVH = k.size(2), D = k.size(3);
+  const char* made = " (kernels.interface.new_kv_cache makes each layout)";
+  if (k.is_contiguous()) {
+    TORCH_CHECK(v.is_contiguous(), "with keys in rows, v_cache must be contiguous", made);
+    return {0, KVH * D, D};
+  }
+  const bool tokens = is_token_minor(k);
+  TORCH_CHECK(tokens || is_head_major(k),
+              "k_cache must be contiguous (rows), token-minor (the [num_blocks, block_size, "
+              "num_kv_heads, head_dim] view of [num_blocks, num_kv_heads, head_dim, block_size] "
+              "storage) or head-major (the view of [num_blocks, num_kv_heads, block_size, "
+              "head_dim] storage)", made);
+  TORCH_CHECK(is_head_major(v), "with ", tokens ? "token-minor" : "head-major",
+              " keys, v_cache must be head-major in each block: the [num_blocks, block_size, "
+              "num_kv_heads, head_dim] view of [num_blocks, num_kv_heads, block_size, head_dim] "
+              "storage", made);
+  if (tokens)
+    TORCH_CHECK(BS % W == 0, "token-minor keys need block_size to be a multiple of ", W,
+                " (this build's vector width), got ", BS);
+  return {tokens ? KVH * D * BS : 0, D, BS * D};
 }
 
 // ---------------------------------------------------------------- paged decode attention
@@ -539,23 +557,24 @@ void pack_queries(const bf16* q, int64_t head_stride, int64_t G, bf16* b) {
 
 // scores[g][t] = scale * q[g] . k[t] for the G queries of one KV head, 16 keys per product,
 // in rows of `stride` (len rounded up to 16) with -inf past len; max[g] = the row's largest.
-// Blocks hold a multiple of 16 tokens, so a tile's 16 rows are always inside one block.
+// Blocks hold a multiple of 16 tokens, so a tile's 16 rows are always inside one block; a
+// block is `block` elements, its key rows `step` apart (the head's first at `off`).
 template <class Tiles, int D>
 void score_by_tiles(Tiles& tiles, const bf16* kc, const int32_t* table, int64_t len,
-                    int64_t BS, int64_t row, int64_t off, int64_t G, float scale,
-                    float* scores, int64_t stride, float* max) {
+                    int64_t BS, int64_t block, int64_t step, int64_t off, int64_t G,
+                    float scale, float* scores, int64_t stride, float* max) {
   alignas(64) float c[TILE * TILE];
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < G; ++g) max[g] = -inf;
   for (int64_t start = 0, b = 0; start < len; start += BS, ++b) {
-    const bf16* block = kc + int64_t(table[b]) * BS * row + off;
+    const bf16* keys = kc + int64_t(table[b]) * block + off;
     if (start + BS < len) {  // the next block's rows of this head, one block ahead
-      const bf16* next = kc + int64_t(table[b + 1]) * BS * row + off;
+      const bf16* next = kc + int64_t(table[b + 1]) * block + off;
       for (int64_t j = 0; j < std::min(BS, len - start - BS); ++j)
-        prefetch_span(next + j * row, D * sizeof(bf16));
+        prefetch_span(next + j * step, D * sizeof(bf16));
     }
     for (int64_t sub = 0; sub < BS && start + sub < len; sub += TILE) {
-      tiles.template score<D>(block + sub * row, row, c);
+      tiles.template score<D>(keys + sub * step, step, c);
       const int64_t t0 = start + sub, n = std::min<int64_t>(TILE, len - t0);
       for (int64_t g = 0; g < G; ++g) {
         float* out = scores + g * stride + t0;
@@ -576,16 +595,17 @@ template <class Tiles, int D>
 void attend_item_tiles(Tiles tiles, const bf16* q, int64_t q_head_stride, const bf16* kc,
                        const bf16* vc, const int32_t* table, const int64_t* rows, int64_t len,
                        int64_t kvh_begin, int64_t kvh_end, int64_t G, int64_t BS, int64_t row,
-                       float scale, float* scores, bf16* out) {
+                       const KvLayout& L, float scale, float* scores, bf16* out) {
   alignas(64) bf16 packed[D / TILE_K * TILE * TILE_K];
   const int64_t stride = (len + TILE - 1) / TILE * TILE;  // whole vectors: no scalar tails
   tiles.begin();
   for (int64_t kvh = kvh_begin; kvh < kvh_end; ++kvh) {
     pack_queries<D>(q + kvh * G * q_head_stride, q_head_stride, G, packed);
     tiles.template set_queries<D>(packed);
-    const int64_t off = kvh * D;
+    const int64_t off = kvh * L.head;
     float max[TILE];
-    score_by_tiles<Tiles, D>(tiles, kc, table, len, BS, row, off, G, scale, scores, stride, max);
+    score_by_tiles<Tiles, D>(tiles, kc, table, len, BS, BS * row, L.step, off, G, scale, scores,
+                             stride, max);
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       float inv_sum[4];
       const int64_t gb = std::min<int64_t>(4, G - g0);
@@ -633,7 +653,7 @@ void attend_item_tokens(const T* q, int64_t q_head_stride, const T* kc, const T*
     for (int64_t g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i)
         (loadf(q + (kvh * G + g) * q_head_stride + i * W) * sv).store(&qf[g * D + i * W]);
-    const int64_t k_off = kvh * D * BS, v_off = kvh * BS * D;  // values head-major, as the keys
+    const int64_t k_off = kvh * D * BS, v_off = kvh * BS * D;  // values head-major
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const float* qg = qf.data() + g0 * D;
       T* og = out + (kvh * G + g0) * D;
@@ -647,34 +667,32 @@ void attend_item_tokens(const T* q, int64_t q_head_stride, const T* kc, const T*
   }
 }
 
-// kblock > 0: the keys are token-minor with kblock elements a block; 0: rows, as the values.
 template <typename T, int D>
 void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
                  const int32_t* table, int64_t len, int64_t kvh_begin, int64_t kvh_end,
-                 int64_t G, int64_t BS, int64_t row, int64_t kblock, float scale,
+                 int64_t G, int64_t BS, int64_t row, const KvLayout& L, float scale,
                  float* scores, T* out) {
   constexpr int V = D / W;
   static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
-  // Each token's row offset in the caches, worked out once (block by block, no divisions):
-  // the values' rows (and the keys', where they are in rows too). Next to token-minor keys the
-  // values are head-major in each block, one head's rows D elements apart.
+  // Each token's row offset in the caches (KV head 0), worked out once (block by block, no
+  // divisions): the values', and the keys' where they are not token-minor.
   std::vector<int64_t> rows(len);
-  token_rows(table, len, BS, BS * row, kblock > 0 ? D : row, rows.data());
-  if (kblock > 0)
+  token_rows(table, len, BS, BS * row, L.step, rows.data());
+  if (L.kblock > 0)
     return attend_item_tokens<T, D>(q, q_head_stride, kc, vc, table, rows.data(), len,
-                                    kvh_begin, kvh_end, G, BS, kblock, scale, scores, out);
+                                    kvh_begin, kvh_end, G, BS, L.kblock, scale, scores, out);
   if constexpr (std::is_same_v<T, bf16> && D % TILE_K == 0) {
     switch (scores_for<T, D>(BS)) {
 #if defined(PM_AMX)
       case Scores::amx:
         return attend_item_tiles<AmxTiles, D>(AmxTiles{}, q, q_head_stride, kc, vc, table,
                                               rows.data(), len, kvh_begin, kvh_end, G, BS, row,
-                                              scale, scores, out);
+                                              L, scale, scores, out);
 #endif
       case Scores::emulated:
         return attend_item_tiles<EmulatedTiles, D>(EmulatedTiles{}, q, q_head_stride, kc, vc,
                                                    table, rows.data(), len, kvh_begin, kvh_end,
-                                                   G, BS, row, scale, scores, out);
+                                                   G, BS, row, L, scale, scores, out);
       default:
         break;
     }
@@ -684,7 +702,7 @@ void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
     for (int64_t g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i)
         qv[g * V + i] = loadf(q + (kvh * G + g) * q_head_stride + i * W) * fVec(scale);
-    const int64_t off = kvh * D;
+    const int64_t off = kvh * L.head;
     // Heads in groups of up to 4 (SmolLM2's 3, Llama's 4 and 8, Qwen's 7 = 4 + 3).
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const fVec* qg = qv.data() + g0 * V;
@@ -713,7 +731,7 @@ struct Paged {
   int64_t MB;
   const int32_t* lens;
   T* out;
-  int64_t kblock;  // > 0: token-minor keys and head-major values, elements a block
+  KvLayout layout;
 
   Paged(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
         const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& output)
@@ -731,7 +749,7 @@ struct Paged {
         MB(block_tables.size(1)),
         lens(seq_lens.data_ptr<int32_t>()),
         out(output.data_ptr<T>()),
-        kblock(check_kv_layout(k_cache, v_cache)) {}
+        layout(check_kv_layout(k_cache, v_cache)) {}
 
   // Sequence s's one query (packed row r) against its whole context, KV heads [h0, h1).
   template <int D>
@@ -740,7 +758,7 @@ struct Paged {
     // Rows rounded up to whole tiles (the tile path pads its scores with -inf).
     scores.resize(G * ((std::max<int64_t>(lens[s], 1) + TILE - 1) / TILE * TILE));
     attend_item<T, D>(q + r * q_stride, q_head_stride, kc, vc, tables + s * MB, lens[s], h0, h1,
-                      G, BS, row, kblock, scale, scores.data(), out + r * H * D);
+                      G, BS, row, layout, scale, scores.data(), out + r * H * D);
   }
 };
 
@@ -874,7 +892,7 @@ void stage_kv_tokens(const T* kc, const T* vc, const int32_t* table, int64_t BS,
     }
     for (int64_t t = t0; t < t0 + n; ++t)
       for (int i = 0; i < V; ++i)
-        loadf(vc + rows[t] + h * BS * D + i * W).store(vf + t * D + i * W);
+        loadf(vc + rows[t] + h * BS * D + i * W).store(vf + t * D + i * W);  // head-major
   }
 }
 
@@ -1002,15 +1020,14 @@ void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float sc
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = staged[item / KVH], h = item % KVH;
       rows.resize(lp[s]);
-      token_rows(p.tables + s * p.MB, lp[s], p.BS, p.BS * p.row, p.kblock > 0 ? D : p.row,
-                 rows.data());
+      token_rows(p.tables + s * p.MB, lp[s], p.BS, p.BS * p.row, p.layout.step, rows.data());
       float* kts = kt.get() + kt_at[s * KVH + h];
       float* vfs = vf.get() + vf_at[s * KVH + h];
-      if (p.kblock > 0)
-        stage_kv_tokens<T, D>(p.kc, p.vc, p.tables + s * p.MB, p.BS, p.kblock, rows.data(),
+      if (p.layout.kblock > 0)
+        stage_kv_tokens<T, D>(p.kc, p.vc, p.tables + s * p.MB, p.BS, p.layout.kblock, rows.data(),
                               lp[s], h, kts, vfs);
       else
-        stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * D, kts, vfs);
+        stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * p.layout.head, kts, vfs);
     }
   });
 
@@ -1062,6 +1079,52 @@ void prefill_attention_d(const at::Tensor& q, const at::Tensor& kc, const at::Te
   PM_HEAD_DIM(q.size(2), (prefill_attention<T, HD>(p, starts, lens.size(0), scale)));
 }
 
+// The sum of what read_kv reads of one sequence's `len` tokens, for each way a cache is laid
+// out. Token-minor keys: a block's run at a time, whole (the cache lines the kernel reads).
+template <typename T>
+fVec read_token_minor(const T* c, const int32_t* table, int64_t len, int64_t BS, int64_t block) {
+  fVec acc(0.f);
+  const int64_t blocks = (len + BS - 1) / BS;
+  for (int64_t j = 0; j < blocks; ++j) {
+    if (j + PREFETCH_BLOCKS < blocks)
+      prefetch_span(c + table[j + PREFETCH_BLOCKS] * block, block * sizeof(T));
+    const T* r = c + table[j] * block;
+    for (int64_t i = 0; i + W <= block; i += W) acc = acc + loadf(r + i);
+  }
+  return acc;
+}
+
+// Head-major rows: each head's rows of a block's tokens, one run.
+template <typename T>
+fVec read_head_runs(const T* c, const int32_t* table, int64_t len, int64_t BS, int64_t block,
+                    int64_t KVH, int64_t D) {
+  fVec acc(0.f);
+  const int64_t blocks = (len + BS - 1) / BS;
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t h = 0; h < KVH; ++h) {
+      if (j + PREFETCH_BLOCKS < blocks) {
+        const int64_t n = std::min(BS, len - (j + PREFETCH_BLOCKS) * BS);
+        prefetch_span(c + table[j + PREFETCH_BLOCKS] * block + h * BS * D, n * D * sizeof(T));
+      }
+      const T* r = c + table[j] * block + h * BS * D;
+      const int64_t n = std::min(BS, len - j * BS) * D;
+      for (int64_t i = 0; i + W <= n; i += W) acc = acc + loadf(r + i);
+    }
+  return acc;
+}
+
+// Rows: each token's row of every head.
+template <typename T>
+fVec read_rows(const T* c, const int64_t* rows, int64_t len, int64_t row) {
+  fVec acc(0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + PREFETCH_TOKENS < len) prefetch_span(c + rows[t + PREFETCH_TOKENS], row * sizeof(T));
+    const T* r = c + rows[t];
+    for (int64_t i = 0; i + W <= row; i += W) acc = acc + loadf(r + i);
+  }
+  return acc;
+}
+
 // One read of every cached key and value the step attends to, the way the kernel reads them
 // (block by block through the tables): the attention's memory floor, for the benchmarks.
 template <typename T>
@@ -1069,7 +1132,7 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
                const at::Tensor& lens) {
   const int64_t B = tables.size(0), MB = tables.size(1), BS = k_cache.size(1);
   const int64_t KVH = k_cache.size(2), D = k_cache.size(3), row = KVH * D;
-  const int64_t kblock = check_kv_layout(k_cache, v_cache);
+  const KvLayout L = check_kv_layout(k_cache, v_cache);
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   const int32_t* tp = tables.data_ptr<int32_t>();
@@ -1080,43 +1143,18 @@ double read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
   for_each_balanced<std::vector<int64_t>>(
       B, [&](int64_t b) { return int64_t(lp[b]); },
       [&](int64_t b, std::vector<int64_t>& rows) {
-        fVec acc(0.f);
         const int32_t* table = tp + b * MB;
-        const int64_t len = lp[b], blocks = (len + BS - 1) / BS;
-        if (kblock > 0) {
-          // Token-minor keys: each block's run, whole (the same cache lines the kernel reads);
-          // then head-major values: each head's rows of a block's tokens, one run.
-          for (int64_t j = 0; j < blocks; ++j) {
-            if (j + PREFETCH_BLOCKS < blocks)
-              prefetch_span(kc + table[j + PREFETCH_BLOCKS] * kblock, kblock * sizeof(T));
-            const T* k = kc + table[j] * kblock;
-            for (int64_t i = 0; i + W <= kblock; i += W) acc = acc + loadf(k + i);
-          }
-          auto value_run = [&](int64_t j, int64_t h) {
-            return std::make_pair(vc + table[j] * kblock + h * BS * D,
-                                  std::min(BS, len - j * BS) * D);
-          };
-          for (int64_t j = 0; j < blocks; ++j) {
-            for (int64_t h = 0; h < KVH; ++h) {
-              if (j + PREFETCH_BLOCKS < blocks) {
-                const auto [ahead, n] = value_run(j + PREFETCH_BLOCKS, h);
-                prefetch_span(ahead, n * sizeof(T));
-              }
-              const auto [v, n] = value_run(j, h);
-              for (int64_t i = 0; i + W <= n; i += W) acc = acc + loadf(v + i);
-            }
-          }
-          partial[b] = hsum(acc);
-          return;
-        }
-        rows.resize(len);
-        token_rows(table, len, BS, BS * row, row, rows.data());
+        const int64_t len = lp[b], block = BS * row;
+        fVec acc(0.f);
+        if (L.kblock > 0) acc = acc + read_token_minor(kc, table, len, BS, block);
         for (const T* cache : {kc, vc}) {
-          for (int64_t t = 0; t < len; ++t) {
-            if (t + PREFETCH_TOKENS < len)
-              prefetch_span(cache + rows[t + PREFETCH_TOKENS], row * sizeof(T));
-            const T* r = cache + rows[t];
-            for (int64_t i = 0; i + W <= row; i += W) acc = acc + loadf(r + i);
+          if (cache == kc && L.kblock > 0) continue;
+          if (L.step == D) {
+            acc = acc + read_head_runs(cache, table, len, BS, block, KVH, D);
+          } else {
+            rows.resize(len);
+            token_rows(table, len, BS, block, row, rows.data());
+            acc = acc + read_rows(cache, rows.data(), len, row);
           }
         }
         partial[b] = hsum(acc);
@@ -1332,14 +1370,14 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
   TORCH_CHECK(qkv.size(1) >= (num_heads + 2 * num_kv_heads) * D, "qkv too narrow");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong);
-  const int64_t kblock = check_kv_layout(k_cache, v_cache);
+  const KvLayout L = check_kv_layout(k_cache, v_cache);
   PM_DISPATCH(qkv.scalar_type(), "rope_write_kv",
               PM_ELEMENTWISE(rope_write<scalar_t>(
                   qkv.data_ptr<scalar_t>(), qkv.size(0), qkv.stride(0),
                   positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                   num_heads, num_kv_heads, D, k_cache.data_ptr<scalar_t>(),
                   v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
-                  k_cache.size(1), kblock)));
+                  k_cache.size(1), L.kblock, L.step, L.head)));
 }
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {

@@ -83,7 +83,8 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
 template <typename T>
 void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, const float* cos,
                 const float* sin, int64_t H, int64_t KVH, int64_t D, T* kc, T* vc,
-                const int64_t* slots, int64_t BS, int64_t kblock) {
+                const int64_t* slots, int64_t BS, int64_t kblock, int64_t step,
+                int64_t head) {
   const int64_t half = D / 2;
   at::parallel_for(0, tokens, grain_rows(stride), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -117,19 +118,21 @@ void rope_write(T* qkv, int64_t tokens, int64_t stride, const int64_t* pos, cons
         }
       }
       if (slots[t] < 0) continue;  // padding
-      const int64_t kv = KVH * D;
+      // Keys token-minor (kblock > 0: element d of head h at h * D * BS + d * BS in the slot's
+      // block), or, as the values always, head h's row at offset * step + h * head (rows: step
+      // KVH * D, head D; head-major: step D, head BS * D).
+      const int64_t kv = KVH * D, block = BS * kv;
       const T* k_src = row + H * D;
       const T* v_src = k_src + kv;
+      const int64_t at = slots[t] / BS * block, j = slots[t] % BS;
       if (kblock > 0) {
-        // Token-minor keys (element d of head h at h * D * BS + d * BS) and head-major values
-        // (head h's row at h * BS * D + offset * D) in the slot's block.
-        T* k = kc + slots[t] / BS * kblock + slots[t] % BS;
+        T* k = kc + at + j;
         for (int64_t e = 0; e < kv; ++e) k[e * BS] = k_src[e];
-        T* v = vc + slots[t] / BS * kblock + slots[t] % BS * D;
-        for (int64_t h = 0; h < KVH; ++h) std::copy(v_src + h * D, v_src + (h + 1) * D, v + h * BS * D);
-      } else {
-        std::copy(k_src, k_src + kv, kc + slots[t] * kv);
-        std::copy(v_src, v_src + kv, vc + slots[t] * kv);
+      }
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t to = at + j * step + h * head;
+        if (kblock == 0) std::copy(k_src + h * D, k_src + (h + 1) * D, kc + to);
+        std::copy(v_src + h * D, v_src + (h + 1) * D, vc + to);
       }
     }
   });

@@ -111,7 +111,8 @@ def run(args) -> dict:
         (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(args.layers - 1)
     ]
     # The same keys and values in each layout the kernel reads (kernels.interface.new_kv_cache).
-    caches = {"rows": rows, "tokens": [_token_minor(k, v) for k, v in rows]}
+    caches = {"rows": rows}
+    caches.update({name: [_in_layout(name, k, v) for k, v in rows] for name in ("tokens", "heads")})
 
     def per_layer_ms(fn) -> float:
         return seconds_per_call(fn, args.iters, warmup=3) * 1000 / args.layers
@@ -126,13 +127,14 @@ def run(args) -> dict:
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
     scale = d["head_dim"] ** -0.5
-    # The kernel on the key layout the engine would choose here, then on the other one.
+    # The kernel on the layout the engine would choose here, then on the others.
     layout = TorchAttentionBackend(isa=args.isa).key_layout(dtype, d["block"], d["head_dim"])
-    other = "rows" if layout == "tokens" else "tokens"
     result["key_layout"] = layout
     runs = [("cpu_kernel", None, layout), ("torch_sdpa", False, "rows")]
-    if kernels is not None and d["block"] % kernels.vector_width() == 0:
-        runs.append((f"cpu_kernel_{other}_keys", None, other))
+    for other in ("rows", "tokens", "heads"):
+        whole = kernels is not None and d["block"] % kernels.vector_width() == 0
+        if other != layout and (other != "tokens" or whole):
+            runs.append((f"cpu_kernel_{other}_keys", None, other))
     for name, use_kernel, keys in runs:
         backend = TorchAttentionBackend(use_cpu_kernel=use_kernel, isa=args.isa)
         if use_kernel is None and not backend._use_cpu_kernel:
@@ -184,11 +186,11 @@ def _compare(outputs: dict, result: dict) -> None:
         result["speedup"] = result["torch_sdpa_ms"] / result["cpu_kernel_ms"]
 
 
-def _token_minor(keys, values):
-    """``keys`` and ``values`` (contiguous caches) copied into the ``tokens`` layout."""
+def _in_layout(layout: str, keys, values):
+    """``keys`` and ``values`` (contiguous caches) copied into ``layout``."""
     from kernels.interface import new_kv_cache
 
-    k, v = new_kv_cache(*keys.shape, dtype=keys.dtype, key_layout="tokens")
+    k, v = new_kv_cache(*keys.shape, dtype=keys.dtype, key_layout=layout)
     return k.copy_(keys), v.copy_(values)
 
 
@@ -206,6 +208,7 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
         "cpu_kernel": f"cpu_kernel ({layout} keys, the engine's choice here)",
         "cpu_kernel_rows_keys": "cpu_kernel (rows keys)",
         "cpu_kernel_tokens_keys": "cpu_kernel (tokens keys)",
+        "cpu_kernel_heads_keys": "cpu_kernel (heads: keys head-major too)",
         "cpu_kernel_fma_scores": "cpu_kernel, rows keys scored by FMAs instead of AMX tiles",
         "torch_sdpa": "torch_sdpa",
     }
