@@ -105,14 +105,8 @@ def run(args) -> dict:
         aged=args.lengths == "aged",
     )  # fmt: skip
     lens, tables, meta = d["lens"], d["tables"], d["meta"]
-    k_cache, v_cache = d["k_cache"], d["v_cache"]
-    # One (keys, values) pair per layer; the first layer's output is the one compared.
-    rows = [(k_cache, v_cache)] + [
-        (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(args.layers - 1)
-    ]
-    # The same keys and values in each layout the kernel reads (kernels.interface.new_kv_cache).
-    caches = {"rows": rows}
-    caches.update({name: [_in_layout(name, k, v) for k, v in rows] for name in ("tokens", "heads")})
+    k_cache = d["k_cache"]
+    caches = _layer_caches(d, args.layers)
 
     def per_layer_ms(fn) -> float:
         return seconds_per_call(fn, args.iters, warmup=3) * 1000 / args.layers
@@ -127,15 +121,9 @@ def run(args) -> dict:
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
     scale = d["head_dim"] ** -0.5
-    # The kernel on the layout the engine would choose here, then on the others.
     layout = TorchAttentionBackend(isa=args.isa).key_layout(dtype, d["block"], d["head_dim"])
     result["key_layout"] = layout
-    runs = [("cpu_kernel", None, layout), ("torch_sdpa", False, "rows")]
-    for other in ("rows", "tokens", "heads"):
-        whole = kernels is not None and d["block"] % kernels.vector_width() == 0
-        if other != layout and (other != "tokens" or whole):
-            runs.append((f"cpu_kernel_{other}_keys", None, other))
-    for name, use_kernel, keys in runs:
+    for name, use_kernel, keys in _runs(layout, kernels, d["block"]):
         backend = TorchAttentionBackend(use_cpu_kernel=use_kernel, isa=args.isa)
         if use_kernel is None and not backend._use_cpu_kernel:
             print("the C++ kernel is not available here (no compiler?)")
@@ -172,6 +160,32 @@ def run(args) -> dict:
         result["kernel_vs_floor"] = result["cpu_kernel_ms"] / result["read_kv_ms"]
     _print(args, d, dtype_name, threads, result)
     return result
+
+
+def _layer_caches(d: dict, layers: int) -> dict:
+    """Per layout the kernel reads (kernels.interface.new_kv_cache), one (keys, values) pair per
+    layer, the same keys and values in each; the first layer's is ``d``'s (its output is the one
+    compared)."""
+    import torch
+
+    k_cache, v_cache = d["k_cache"], d["v_cache"]
+    rows = [(k_cache, v_cache)] + [
+        (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(layers - 1)
+    ]
+    caches = {"rows": rows}
+    caches.update({name: [_in_layout(name, k, v) for k, v in rows] for name in ("tokens", "heads")})
+    return caches
+
+
+def _runs(layout: str, kernels, block: int) -> list[tuple[str, bool | None, str]]:
+    """(result name, use_cpu_kernel, layout) to time: the kernel on the layout the engine would
+    choose here, the torch path, then the kernel on the other layouts it can read."""
+    runs = [("cpu_kernel", None, layout), ("torch_sdpa", False, "rows")]
+    for other in ("rows", "tokens", "heads"):
+        whole = kernels is not None and block % kernels.vector_width() == 0
+        if other != layout and (other != "tokens" or whole):
+            runs.append((f"cpu_kernel_{other}_keys", None, other))
+    return runs
 
 
 def _compare(outputs: dict, result: dict) -> None:
