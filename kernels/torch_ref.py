@@ -264,8 +264,8 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _write_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """``rows`` ([T, KVH, D]) into ``cache``'s flat slots, in either layout: a contiguous cache
-    as a flat index copy, a permuted one (token-minor keys, head-major values) through its view."""
+    """``rows`` ([T, KVH, D]) into ``cache``'s flat slots, in any layout: a contiguous cache as
+    a flat index copy, a permuted one (token-minor or head-major) through its view."""
     if cache.is_contiguous():
         cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slot_mapping, rows)
     else:

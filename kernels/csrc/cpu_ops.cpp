@@ -146,7 +146,6 @@ inline void token_rows(const int32_t* table, int64_t len, int64_t BS, int64_t bl
   }
 }
 
-// ---------------------------------------------------------------- key cache layouts
 // ---------------------------------------------------------------- cache layouts
 // A layer's caches are [num_blocks, BS, KVH, D] tensors (kernels.interface.new_kv_cache) in one
 // of three layouts, named for their keys:
