@@ -641,10 +641,10 @@ template <typename T, int D>
 void attend_item_tokens(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
                         const int32_t* table, const int64_t* rows, int64_t len,
                         int64_t kvh_begin, int64_t kvh_end, int64_t G, int64_t BS,
-                        int64_t kblock, float scale, float* scores, T* out) {
+                        const KvLayout& L, float scale, float* scores, T* out) {
   constexpr int V = D / W;
   std::vector<const T*> tv;
-  token_vectors(kc, table, len, BS, kblock, tv);
+  token_vectors(kc, table, len, BS, L.kblock, tv);
   const int64_t nv = int64_t(tv.size());
   std::vector<float> qf(G * D);
   const fVec sv(scale);
@@ -652,7 +652,7 @@ void attend_item_tokens(const T* q, int64_t q_head_stride, const T* kc, const T*
     for (int64_t g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i)
         (loadf(q + (kvh * G + g) * q_head_stride + i * W) * sv).store(&qf[g * D + i * W]);
-    const int64_t k_off = kvh * D * BS, v_off = kvh * BS * D;  // values head-major
+    const int64_t k_off = kvh * D * BS, v_off = kvh * L.head;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const float* qg = qf.data() + g0 * D;
       T* og = out + (kvh * G + g0) * D;
@@ -679,7 +679,7 @@ void attend_item(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
   token_rows(table, len, BS, BS * row, L.step, rows.data());
   if (L.kblock > 0)
     return attend_item_tokens<T, D>(q, q_head_stride, kc, vc, table, rows.data(), len,
-                                    kvh_begin, kvh_end, G, BS, L.kblock, scale, scores, out);
+                                    kvh_begin, kvh_end, G, BS, L, scale, scores, out);
   if constexpr (std::is_same_v<T, bf16> && D % TILE_K == 0) {
     switch (scores_for<T, D>(BS)) {
 #if defined(PM_AMX)
@@ -875,11 +875,13 @@ void stage_kv(const T* kc, const T* vc, const int64_t* rows, int64_t len, int64_
   }
 }
 
-// stage_kv from token-minor keys (kblock elements a block, KV head h): each tile of W tokens
-// lies inside one block (BS is a multiple of W), so its transposed keys are D vector copies.
+// stage_kv from token-minor keys (kblock elements a block, KV head h, whose value rows start
+// v_off past each token's row): each tile of W tokens lies inside one block (BS is a multiple
+// of W), so its transposed keys are D vector copies.
 template <typename T, int D>
 void stage_kv_tokens(const T* kc, const T* vc, const int32_t* table, int64_t BS, int64_t kblock,
-                     const int64_t* rows, int64_t len, int64_t h, float* kt, float* vf) {
+                     const int64_t* rows, int64_t len, int64_t h, int64_t v_off, float* kt,
+                     float* vf) {
   constexpr int V = D / W;
   for (int64_t tile = 0; tile * W < len; ++tile) {
     const int64_t t0 = tile * W, n = std::min<int64_t>(W, len - t0);
@@ -891,7 +893,7 @@ void stage_kv_tokens(const T* kc, const T* vc, const int32_t* table, int64_t BS,
     }
     for (int64_t t = t0; t < t0 + n; ++t)
       for (int i = 0; i < V; ++i)
-        loadf(vc + rows[t] + h * BS * D + i * W).store(vf + t * D + i * W);  // head-major
+        loadf(vc + rows[t] + v_off + i * W).store(vf + t * D + i * W);
   }
 }
 
@@ -1024,7 +1026,7 @@ void prefill_attention(const Paged<T>& p, const int32_t* qs, int64_t S, float sc
       float* vfs = vf.get() + vf_at[s * KVH + h];
       if (p.layout.kblock > 0)
         stage_kv_tokens<T, D>(p.kc, p.vc, p.tables + s * p.MB, p.BS, p.layout.kblock, rows.data(),
-                              lp[s], h, kts, vfs);
+                              lp[s], h, h * p.layout.head, kts, vfs);
       else
         stage_kv<T, D>(p.kc, p.vc, rows.data(), lp[s], h * p.layout.head, kts, vfs);
     }
