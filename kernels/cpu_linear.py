@@ -177,17 +177,27 @@ def linear(
     weight: torch.Tensor | PairPacked | PanelPacked,
     bias: torch.Tensor | None = None,
     invariant: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for a weight from ``pack`` (packed or not). ``invariant``: each
-    row's result bit for bit independent of the other rows (module docstring)."""
+    row's result bit for bit independent of the other rows (module docstring). ``out``: a
+    contiguous ``[rows, out_features]`` tensor of ``x``'s dtype to write the result into (the
+    packed kernels write it there directly), returned."""
     if isinstance(weight, PanelPacked):  # invariant as it is
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return weight.ops.panels_linear(x, weight.packed, bias)
+        return weight.ops.panels_linear(x, weight.packed, bias, out=out)
     if isinstance(weight, PairPacked):  # invariant as it is
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return weight.ops.pairs_linear(x, weight.packed, bias, weight.emulate)
+        return weight.ops.pairs_linear(x, weight.packed, bias, weight.emulate, out=out)
+    result = _unpacked_linear(x, weight, bias, invariant)
+    return result if out is None else out.copy_(result)
+
+
+def _unpacked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool
+) -> torch.Tensor:
     if weight.is_mkldnn:
         rows = x.shape[0]
         if not invariant:

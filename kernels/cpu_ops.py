@@ -31,8 +31,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # Compiled into the same module: the linear layers' own GEMMs (kernels/cpu_linear.py), bfloat16
 # on AVX-512 BF16 and float32 on FMA vectors.
 SOURCES = (SOURCE, SOURCE.parent / "pair_gemm.cpp", SOURCE.parent / "panel_gemm.cpp")
-# Included by cpu_ops.cpp (twice: docs/kernels.md); part of the build's digest.
-HEADERS = (SOURCE.parent / "elementwise.h",)
+# Included by the sources (elementwise.h twice: docs/kernels.md); part of the build's digest.
+HEADERS = (SOURCE.parent / "elementwise.h", SOURCE.parent / "output.h")
 _X86 = platform.machine() in ("x86_64", "AMD64")
 _COMMON_X86 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"]
 # What ATen passes when it compiles its own kernels for each capability.

@@ -137,8 +137,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention output for every new token, ``[T, num_heads, head_dim]``.
+        """Attention output for every new token, ``[T, num_heads, head_dim]``: written into
+        ``out`` and returned when given (a contiguous tensor of that shape and the query's
+        dtype, which the model reuses for every layer), else a new tensor.
 
         The new tokens' keys and values must already be in the cache (``write_kv``).
         """

@@ -176,19 +176,21 @@ class TorchAttentionBackend(AttentionBackend):
     def kv_written(self, key, value) -> None:
         self._new_kv = (key, value)
 
-    def attend(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def attend(self, query, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
         if self._varlen:
-            return self._cpu_kernel.paged_prefill(
+            result = self._cpu_kernel.paged_prefill(
                 query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 scale,
             )  # fmt: skip
+            return result if out is None else out.copy_(result)
         plan = self._decode
         if not self._prefills and plan is not None and plan.contiguous and self._kernel_runs(query):
             # A pure decode step: the kernel's output is the whole answer.
             return self._cpu_kernel.paged_decode(
-                query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
+                query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, out=out
             )
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads

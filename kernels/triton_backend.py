@@ -125,6 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
@@ -132,7 +133,8 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
         if num_tokens == 0:
             return out
         group = num_heads // num_kv_heads

@@ -154,34 +154,56 @@ class LlamaModel:
 
         ``residual`` carries the skip connection: ``add_rms_norm`` adds each sublayer's output
         to it in place and normalizes the sum, as Hugging Face's decoder layer does in two.
+        Every layer writes its intermediates into the same buffers (``_Buffers``).
         """
         c, ops, linear = self.config, self.ops, self.linear
         eps = c.rms_norm_eps
-        num_tokens = input_ids.shape[0]
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
         residual = F.embedding(input_ids, self.embed)
         x = ops.rms_norm(residual, self.layers[0]["input_norm"], eps)
         out = residual
-        # Views of the new keys and values only for a backend that reads them (the C++ kernels
-        # read the cache): two slices and views per layer are ~0.5 ms of a decode step.
-        wants_kv = self.attention.wants_new_kv
+        buf = _Buffers(self, input_ids.shape[0], residual)
+        wants_kv = self.attention.wants_new_kv  # the C++ kernels read the cache instead
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"], out=buf.qkv)
             ops.rope_write_kv(
                 qkv, positions, self.cos_half, self.sin_half, c.num_heads, c.num_kv_heads,
                 k_cache, v_cache, meta.slot_mapping,
             )  # fmt: skip
-            q = qkv[:, :q_end].view(num_tokens, c.num_heads, c.head_dim)
             if wants_kv:
-                k = qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim)
-                v = qkv[:, k_end:].view(num_tokens, c.num_kv_heads, c.head_dim)
-                self.attention.kv_written(k, v)
-            attn = self.attention.attend(q, k_cache, v_cache, meta, self.scale)
-            o = linear(attn.reshape(num_tokens, self.q_size), layer["o"])
-            x = ops.add_rms_norm(o, residual, layer["post_norm"], eps)
-            out = linear(ops.silu_and_mul(linear(x, layer["gate_up"])), layer["down"])
+                self.attention.kv_written(buf.k, buf.v)
+            self.attention.attend(buf.q, k_cache, v_cache, meta, self.scale, out=buf.attn)
+            o = linear(buf.attn_rows, layer["o"], out=buf.o)
+            x = ops.add_rms_norm(o, residual, layer["post_norm"], eps, out=buf.x)
+            gate_up = linear(x, layer["gate_up"], out=buf.gate_up)
+            out = linear(ops.silu_and_mul(gate_up, out=buf.act), layer["down"], out=buf.down)
             if i + 1 < len(self.layers):
-                x = ops.add_rms_norm(out, residual, self.layers[i + 1]["input_norm"], eps)
+                x = ops.add_rms_norm(
+                    out, residual, self.layers[i + 1]["input_norm"], eps, out=buf.x
+                )
         rows = residual[logits_indices]  # a copy: only the sampled rows reach the LM head
         hidden = ops.add_rms_norm(out[logits_indices], rows, self.norm, eps)
         return linear(hidden, self.lm_head)
+
+
+class _Buffers:
+    """One forward pass's intermediates, which every layer writes in turn: each is read before
+    the next layer writes it again. A decode step then allocates seven tensors, not eight a
+    layer, and makes the views of the queries and keys once (docs/kernels.md, "Output
+    buffers")."""
+
+    def __init__(self, model: LlamaModel, num_tokens: int, like: torch.Tensor) -> None:
+        c, T = model.config, num_tokens
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+        q_end, k_end = model.q_size, model.q_size + model.kv_size
+        self.qkv = empty(T, k_end + model.kv_size)
+        self.q = self.qkv[:, :q_end].view(T, c.num_heads, c.head_dim)
+        self.k = self.qkv[:, q_end:k_end].view(T, c.num_kv_heads, c.head_dim)
+        self.v = self.qkv[:, k_end:].view(T, c.num_kv_heads, c.head_dim)
+        self.attn = empty(T, c.num_heads, c.head_dim)
+        self.attn_rows = self.attn.view(T, model.q_size)
+        self.o, self.x, self.down = (empty(T, c.hidden_size) for _ in range(3))
+        self.gate_up = empty(T, 2 * c.intermediate_size)
+        self.act = empty(T, c.intermediate_size)

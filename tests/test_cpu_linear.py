@@ -341,3 +341,36 @@ def test_f32_gemm_mode_names_the_allowed_values(monkeypatch):
     monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "fast")
     with pytest.raises(ValueError, match="auto, panels, onednn"):
         cpu_linear.f32_gemm_mode()
+
+
+def _weights_of_every_kind() -> list[tuple[str, object, torch.dtype]]:
+    """A [48, 64] weight as each GEMM here multiplies it: the pair GEMM (emulated, any CPU), the
+    panel GEMM (where its build loads) and oneDNN or F.linear (the unpacked path)."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(48, 64, generator=gen) * 0.1
+    kinds = [("pairs", _pairs(w.bfloat16(), "emulated"), torch.bfloat16)]
+    kinds += [(f"panels-{b}", _panels(w, b), torch.float32) for b in PANEL_BUILDS]
+    return kinds + [("unpacked", cpu_linear.pack(w), torch.float32)]
+
+
+def test_linear_writes_into_a_given_buffer_and_refuses_a_wrong_one():
+    """``out=``: the same bits as a new tensor, in the caller's buffer (the model reuses one a
+    forward pass, kernels/csrc/output.h); a buffer of the wrong shape or dtype is refused."""
+    gen = torch.Generator().manual_seed(12)
+    for name, weight, dtype in _weights_of_every_kind():
+        x = torch.randn(9, 64, generator=gen).to(dtype)
+        bias = torch.randn(48, generator=gen).to(dtype)
+        want = cpu_linear.linear(x, weight, bias)
+        buffer = torch.full((9, 48), float("nan"), dtype=dtype)
+        got = cpu_linear.linear(x, weight, bias, out=buffer)
+        assert got.data_ptr() == buffer.data_ptr(), name
+        assert torch.equal(buffer, want), name
+        if name == "unpacked":
+            continue  # torch's copy_ would broadcast or cast; only the kernels check
+        with pytest.raises(RuntimeError, match=r"out must be \[9, 48\]"):
+            cpu_linear.linear(x, weight, out=torch.empty(9, 47, dtype=dtype))
+        wrong = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        with pytest.raises(RuntimeError, match="out must be"):
+            cpu_linear.linear(x, weight, out=torch.empty(9, 48, dtype=wrong))
+        with pytest.raises(RuntimeError, match="out must be contiguous"):
+            cpu_linear.linear(x, weight, out=torch.empty(48, 9, dtype=dtype).t())

@@ -424,6 +424,48 @@ def test_silu_and_mul(isa, dtype, rows):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_write_into_a_given_buffer_and_refuse_a_wrong_one(isa, dtype):
+    """``out=`` (kernels/csrc/output.h: the buffers the model reuses for every layer): the bits
+    a new tensor gets, in the caller's tensor; a buffer of the wrong shape, dtype or layout is
+    refused with the op and what it needs."""
+    ops = _ops(isa)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(9, 576, generator=gen).to(dtype)
+    residual = torch.randn(9, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    gate_up = torch.randn(9, 2 * 96, generator=gen).to(dtype)
+    case = Case([(33, 1), (7, 1), (64, 1)], 16, 6, 2, 64, dtype, seed=5)
+    k_cache, v_cache = case.caches()
+    meta = case.meta
+
+    def norm(out=None):
+        return ops.add_rms_norm(x, residual.clone(), weight, 1e-5, out=out)
+
+    calls = {
+        "add_rms_norm": (norm, (9, 576)),
+        "silu_and_mul": (lambda out=None: ops.silu_and_mul(gate_up, out=out), (9, 96)),
+        "paged_decode": (
+            lambda out=None: ops.paged_decode(
+                case.query, k_cache, v_cache, meta.block_tables, meta.seq_lens, case.scale, out=out
+            ),
+            (3, 6, 64),
+        ),
+    }
+    for name, (call, shape) in calls.items():
+        want = call()
+        buffer = torch.full(shape, float("nan"), dtype=dtype)
+        assert call(out=buffer).data_ptr() == buffer.data_ptr(), name
+        assert torch.equal(buffer, want), name
+        with pytest.raises(RuntimeError, match=f"{name}: out must be"):
+            call(out=torch.empty(shape[:-1] + (shape[-1] + 1,), dtype=dtype))
+        with pytest.raises(RuntimeError, match=f"{name}: out must be"):
+            call(out=torch.empty(shape, dtype=torch.float16))
+        with pytest.raises(RuntimeError, match=f"{name}: out must be contiguous"):
+            call(out=torch.empty(shape[::-1], dtype=dtype).permute(*range(len(shape))[::-1]))
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 def test_the_kernels_exp_is_within_one_ulp_with_its_edges_as_documented(isa):
     """The float32 exp of SiLU and the softmax (``exp_f32`` in cpu_ops.cpp): within one ulp of
     float64's exp wherever the result is a normal float below 2^127.5 (1.5 in the generic

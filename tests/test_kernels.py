@@ -263,6 +263,27 @@ def test_strided_query_and_kv_views():
     check_close(out, case.naive(), torch.float32)
 
 
+@pytest.mark.parametrize("seqs", [[(9, 1), (50, 1), (17, 1)], MIXED], ids=["decode", "mixed"])
+def test_attend_writes_into_a_given_buffer(seqs):
+    """``out=`` (the buffer the model reuses for every layer): the same output, in the caller's
+    tensor, on every path (the C++ decode kernel, its step with prefills, SDPA, Triton)."""
+    case = Case(seqs, 16, 6, 2, 64, torch.float32, seed=6)
+    backends = [
+        TorchAttentionBackend(),
+        TorchAttentionBackend(use_cpu_kernel=False, device=DEVICE.type),
+        TritonAttentionBackend(),
+    ]
+    for backend in backends:
+        want, _, _ = case.run(backend)
+        k_cache, v_cache = case.caches()
+        backend.prepare(case.meta, case.block_size)
+        backend.write_kv(case.new_k, case.new_v, k_cache, v_cache, case.meta.slot_mapping)
+        buffer = torch.full_like(case.query, float("nan"))
+        got = backend.attend(case.query, k_cache, v_cache, case.meta, case.scale, out=buffer)
+        assert got.data_ptr() == buffer.data_ptr(), type(backend).__name__
+        assert torch.equal(buffer, want), type(backend).__name__
+
+
 def test_torch_path_plain_prefill_reads_the_cache_without_its_new_keys():
     # kernels.bench times attend() alone, after the new keys are already in the cache: a plain
     # prefill on the SDPA path (no C++ kernel: every GPU, PREFIXMESH_CPU_KERNELS=0) then has no

@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "output.h"
+
 #if defined(PM_AMX)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -1281,14 +1283,15 @@ bool native_bf16() { return g_native_bf16.load(std::memory_order_relaxed) && pm:
 
 // ---------------------------------------------------------------- entry points
 at::Tensor paged_decode(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                        at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                        at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                        c10::optional<at::Tensor> out_buffer) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [B, H, D] with contiguous heads");
   check_kv_layout(k_cache, v_cache);  // refuses a layout the kernels cannot read
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 16,
               "query heads must be a multiple (<= 16) of the KV heads");
-  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  auto out = pm::output_for(out_buffer, query.sizes(), query, "paged_decode");
   const float s = static_cast<float>(scale);
   PM_DISPATCH(query.scalar_type(), "paged_decode",
               decode_attention_d<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, s));
@@ -1349,12 +1352,13 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return out;
 }
 
-at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps,
+                        c10::optional<at::Tensor> out_buffer) {
   check_rows(x, "x");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(),
               "residual must be contiguous and shaped like x");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows, n}, x.options());
+  auto out = pm::output_for(out_buffer, {rows, n}, x, "add_rms_norm");
   PM_DISPATCH(x.scalar_type(), "add_rms_norm",
               PM_ELEMENTWISE(rms_norm_rows<scalar_t>(
                   x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
@@ -1381,11 +1385,11 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
                   k_cache.size(1), L.kblock, L.step, L.head)));
 }
 
-at::Tensor silu_and_mul(at::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up, c10::optional<at::Tensor> out_buffer) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [T, 2I]");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = at::empty({rows, inter}, gate_up.options());
+  auto out = pm::output_for(out_buffer, {rows, inter}, gate_up, "silu_and_mul");
   PM_DISPATCH(gate_up.scalar_type(), "silu_and_mul",
               PM_ELEMENTWISE(silu_mul_rows<scalar_t>(
                   gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter)));
@@ -1455,11 +1459,12 @@ std::string isa() {
 namespace pm {
 at::Tensor pack_pairs(at::Tensor weight);
 at::Tensor pairs_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
-                        bool emulate);
+                        bool emulate, c10::optional<at::Tensor> out);
 // The float32 linear layers (kernels/csrc/panel_gemm.cpp).
 int64_t panel_width();
 at::Tensor pack_panels(at::Tensor weight);
-at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
+at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+                         c10::optional<at::Tensor> out);
 }  // namespace pm
 
 // The attention kernels and the GEMMs run without the GIL, as torch's own ops do: a step's
@@ -1469,7 +1474,10 @@ at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tens
 using NoGil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention", NoGil());
+  // `out`: a buffer to write the result into (kernels/csrc/output.h), else a new tensor.
+  m.def("paged_decode", &paged_decode, "paged decode attention", py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("out") = py::none(), NoGil());
   m.def("paged_prefill", &paged_prefill, "paged attention of a step with prefills (causal)",
         NoGil());
   m.def("exp_f32", &exp_f32_tensor, "the kernels' float32 exp over a contiguous tensor (tests)");
@@ -1477,9 +1485,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("balanced_cuts", &balanced_cuts,
         "where each thread's contiguous range of decode items starts, split by cost");
   m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+        py::arg("out") = py::none());
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, then write k and v");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", py::arg("gate_up"),
+        py::arg("out") = py::none());
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
   m.def("isa", &isa, "the ISA this build targets");
   m.def("vector_width", &vector_width, "floats in this build's vectors");
@@ -1492,9 +1503,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_pairs", &pm::pack_pairs, "a bfloat16 [out, in] weight packed for pairs_linear");
   m.def("pairs_linear", &pm::pairs_linear, "x @ weight.T (+ bias) on a pair-packed weight",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
-        py::arg("emulate") = false, NoGil());
+        py::arg("emulate") = false, py::arg("out") = py::none(), NoGil());
   m.def("panel_width", &pm::panel_width, "float32 output features per panel in this build");
   m.def("pack_panels", &pm::pack_panels, "a float32 [out, in] weight packed for panels_linear");
   m.def("panels_linear", &pm::panels_linear, "x @ weight.T (+ bias) on a panel-packed weight",
-        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), NoGil());
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out") = py::none(),
+        NoGil());
 }

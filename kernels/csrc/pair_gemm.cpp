@@ -31,6 +31,8 @@
 #include <cstring>
 #include <utility>
 
+#include "output.h"
+
 #if defined(CPU_CAPABILITY_AVX512)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -178,7 +180,7 @@ at::Tensor pack_pairs(at::Tensor weight) {
 }
 
 at::Tensor pairs_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
-                        bool emulate) {
+                        bool emulate, c10::optional<at::Tensor> out_buffer) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be 2-D bfloat16 with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * BLOCK && packed.is_contiguous(),
@@ -192,7 +194,7 @@ at::Tensor pairs_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tenso
     TORCH_CHECK(bias_c.numel() == N, "bias must have ", N, " elements");
     b = bias_c.data_ptr<bf16>();
   }
-  auto out = at::empty({M, N}, x.options());
+  auto out = output_for(out_buffer, {M, N}, x, "pairs_linear");
   if (M == 0) return out;
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = packed.data_ptr<bf16>();

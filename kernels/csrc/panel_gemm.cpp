@@ -25,6 +25,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
+#include "output.h"
+
 namespace pm {
 namespace {
 
@@ -116,7 +118,8 @@ at::Tensor pack_panels(at::Tensor weight) {
   return packed;
 }
 
-at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+                         c10::optional<at::Tensor> out_buffer) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "x must be 2-D float32 with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == W && packed.is_contiguous() &&
@@ -131,7 +134,7 @@ at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tens
     TORCH_CHECK(bias_c.numel() == N, "bias must have ", N, " elements");
     b = bias_c.data_ptr<float>();
   }
-  auto out = at::empty({M, N}, x.options());
+  auto out = output_for(out_buffer, {M, N}, x, "panels_linear");
   if (M == 0) return out;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();

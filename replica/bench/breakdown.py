@@ -106,12 +106,12 @@ def attention_floor_in_place_s(engine, steps: int) -> float | None:
     real_attend = attention.attend
     total = 0.0
 
-    def attend(query, k_cache, v_cache, meta, scale):
+    def attend(query, k_cache, v_cache, meta, scale, out=None):
         nonlocal total
         start = time.perf_counter()
         kernels.read_kv_once(k_cache, v_cache, meta.block_tables, meta.seq_lens)
         total += time.perf_counter() - start
-        return real_attend(query, k_cache, v_cache, meta, scale)
+        return real_attend(query, k_cache, v_cache, meta, scale, out=out)
 
     attention.attend = attend
     try:
@@ -132,11 +132,11 @@ def _timed_parts(engine, totals: dict[str, float]):
     real_sample = engine.sampler.sample
     clock = time.perf_counter
 
-    def linear(x, weight, bias=None):
+    def linear(x, weight, bias=None, out=None):
         start = clock()
-        out = real_linear(x, weight, bias)
+        result = real_linear(x, weight, bias, out=out)
         totals["logits" if weight is model.lm_head else "gemm"] += clock() - start
-        return out
+        return result
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):

@@ -70,8 +70,8 @@ def kernel_ranges(engine) -> Iterator[None]:
     ranged_linear = _ranged("linear", real_linear)
     ranged_head = _ranged("lm_head", real_linear)
 
-    def linear(x, weight, bias=None):
-        return (ranged_head if weight is model.lm_head else ranged_linear)(x, weight, bias)
+    def linear(x, weight, bias=None, out=None):
+        return (ranged_head if weight is model.lm_head else ranged_linear)(x, weight, bias, out=out)
 
     model.linear = linear
     model.attention.attend = _ranged("attention", model.attention.attend)
