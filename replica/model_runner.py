@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import get_backend
-from kernels.interface import AttentionMetadata, new_kv_cache
+from kernels.interface import AttentionMetadata, kv_huge_pages, new_kv_cache
 from replica import config
 from replica.model import LlamaModel
 from replica.model_config import ModelConfig
@@ -53,8 +53,12 @@ class ModelRunner:
         # Keys in the layout the attention backend reads fastest (kernels.interface).
         self.key_layout = self.attention.key_layout(dtype, block_size, head_dim)
         layout = {"dtype": dtype, "key_layout": self.key_layout}
+        # On a CPU, on huge pages: the kernels read it in blocks scattered over the pool.
+        huge = kv_huge_pages()
         self.kv_caches = [
-            new_kv_cache(num_blocks, block_size, heads, head_dim, device=device, **layout)
+            new_kv_cache(
+                num_blocks, block_size, heads, head_dim, device=device, huge_pages=huge, **layout
+            )
             for _ in range(model_config.num_layers)
         ]
         # Host swap space for preempted sequences (pinned when the device is a GPU).

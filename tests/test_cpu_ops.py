@@ -25,7 +25,14 @@ from helpers import run_under_cap
 from test_kernels import Case, check_close
 
 from kernels import cpu_flags, cpu_ops
-from kernels.interface import KEY_LAYOUTS, key_layout_of, new_kv_cache
+from kernels.interface import (
+    HUGE_PAGE_BYTES,
+    HUGE_PAGES_ENV,
+    KEY_LAYOUTS,
+    key_layout_of,
+    kv_huge_pages,
+    new_kv_cache,
+)
 from kernels.torch_ref import TorchAttentionBackend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,6 +273,66 @@ def test_new_kv_cache_makes_both_layouts_as_one_logical_shape():
     assert k.stride() == v.stride() == (2 * 16 * 8, 8, 16 * 8, 1)
     with pytest.raises(ValueError, match="key_layout"):
         new_kv_cache(3, 16, 2, 8, dtype=torch.float32, key_layout="columns")
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The kernel's flags for the mapping of this process that holds ``address`` (smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's smaps")
+def test_a_kv_pool_on_huge_pages_is_the_same_tensor_on_advised_aligned_memory():
+    """``huge_pages``: the same shapes, strides and zeros, on memory that starts on a 2 MB
+    boundary and is advised for transparent huge pages (``hg``), where plain ``torch.zeros``
+    memory is not (whether the kernel then backs it with huge pages is its THP setting's)."""
+    for keys in KEY_LAYOUTS:
+        plain = new_kv_cache(40, 16, 3, 64, dtype=torch.float32, key_layout=keys)
+        huge = new_kv_cache(40, 16, 3, 64, dtype=torch.float32, key_layout=keys, huge_pages=True)
+        for p, h in zip(plain, huge):
+            assert h.shape == p.shape and h.stride() == p.stride() and h.dtype == p.dtype
+            assert not h.any()
+            assert h.data_ptr() % HUGE_PAGE_BYTES == 0
+            assert "hg" in _vm_flags(h.data_ptr()), keys
+        assert key_layout_of(huge[0]) == keys
+    big = torch.zeros(8 << 20, dtype=torch.uint8)  # what torch's allocator gives: not advised
+    assert "hg" not in _vm_flags(big.data_ptr())
+
+
+def test_the_huge_pages_setting_is_on_by_default_and_names_its_values(monkeypatch):
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    assert kv_huge_pages()
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    assert not kv_huge_pages()
+    monkeypatch.setenv(HUGE_PAGES_ENV, "yes")
+    with pytest.raises(ValueError, match="PREFIXMESH_KV_HUGE_PAGES must be 0 or 1"):
+        kv_huge_pages()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's smaps")
+def test_the_engine_puts_its_cpu_kv_pool_on_huge_pages_unless_told_not_to(
+    tiny_model_dir, monkeypatch
+):
+    from replica import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 11, 200, 7], list(range(40, 75))]
+    outputs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(HUGE_PAGES_ENV, setting)
+        llm = LLM(str(tiny_model_dir), dtype="float32")
+        for k_cache, v_cache in llm.engine.runner.kv_caches:
+            for cache in (k_cache, v_cache):
+                assert ("hg" in _vm_flags(cache.data_ptr())) == (setting == "1")
+        outputs[setting] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert outputs["1"] == outputs["0"]
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)

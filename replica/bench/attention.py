@@ -95,6 +95,7 @@ def run(args) -> dict:
     import torch
 
     from kernels import cpu_ops
+    from kernels.interface import kv_huge_pages
     from kernels.torch_ref import TorchAttentionBackend
     from replica.engine import default_dtype
 
@@ -118,6 +119,7 @@ def run(args) -> dict:
     outputs = {}
     result = {"batch": args.batch, "mean_context": float(lens.float().mean())}
     result.update(dtype=dtype_name, layers=args.layers, blocks=args.blocks, lengths=args.lengths)
+    result["huge_pages"] = kv_huge_pages()
     kernels = cpu_ops.load(args.isa)
     result["isa"] = kernels.isa() if kernels is not None else None
     scale = d["head_dim"] ** -0.5
@@ -163,18 +165,18 @@ def run(args) -> dict:
 
 
 def _layer_caches(d: dict, layers: int) -> dict:
-    """Per layout the kernel reads (kernels.interface.new_kv_cache), one (keys, values) pair per
-    layer, the same keys and values in each; the first layer's is ``d``'s (its output is the one
-    compared)."""
+    """Per layout the kernel reads (kernels.interface.new_kv_cache, on huge pages where the
+    engine puts them: ``PREFIXMESH_KV_HUGE_PAGES``), one (keys, values) pair per layer, the same
+    keys and values in each; the first layer's holds ``d``'s (its output is the one compared)."""
     import torch
+
+    from kernels.interface import KEY_LAYOUTS
 
     k_cache, v_cache = d["k_cache"], d["v_cache"]
     rows = [(k_cache, v_cache)] + [
         (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(layers - 1)
     ]
-    caches = {"rows": rows}
-    caches.update({name: [_in_layout(name, k, v) for k, v in rows] for name in ("tokens", "heads")})
-    return caches
+    return {name: [_in_layout(name, k, v) for k, v in rows] for name in KEY_LAYOUTS}
 
 
 def _runs(layout: str, kernels, block: int) -> list[tuple[str, bool | None, str]]:
@@ -201,10 +203,12 @@ def _compare(outputs: dict, result: dict) -> None:
 
 
 def _in_layout(layout: str, keys, values):
-    """``keys`` and ``values`` (contiguous caches) copied into ``layout``."""
-    from kernels.interface import new_kv_cache
+    """``keys`` and ``values`` (contiguous caches) copied into ``layout``, in memory as the
+    engine allocates its pool."""
+    from kernels.interface import kv_huge_pages, new_kv_cache
 
-    k, v = new_kv_cache(*keys.shape, dtype=keys.dtype, key_layout=layout)
+    huge = kv_huge_pages()
+    k, v = new_kv_cache(*keys.shape, dtype=keys.dtype, key_layout=layout, huge_pages=huge)
     return k.copy_(keys), v.copy_(values)
 
 
@@ -214,7 +218,8 @@ def _print(args, d: dict, dtype_name: str, threads: int, result: dict) -> None:
         f"({d['heads']}/{d['kv_heads']} heads, head_dim {d['head_dim']}, {dtype_name}, "
         f"{threads} threads, kernel build {result['isa']}), mean of {args.iters} calls"
         + (f" over {args.layers} layers' caches in turn, per layer" if args.layers > 1 else "")
-        + f", blocks {args.blocks}, lengths {args.lengths}"
+        + f", blocks {args.blocks}, lengths {args.lengths}, "
+        + ("huge pages" if result["huge_pages"] else "4 KB pages")
         + ":"
     )
     layout = result.get("key_layout")
