@@ -106,14 +106,19 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     a block at a time from blocks scattered over hundreds of MB: on 4 KB pages each block's
     rows cost TLB misses, which huge pages take away (docs/benchmarks.md: 10-17% off the
     kernel on a 2-core Zen 3 VM). Every page is touched here, so that none faults in later
-    inside a step. Where ``mmap`` cannot advise (not Linux), ``torch.zeros``."""
+    inside a step. Where ``mmap`` cannot advise (not Linux, or a kernel built without THP,
+    which refuses the advice), ``torch.zeros``."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if advice is None or nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=flags)
-    region.madvise(advice)
+    try:
+        region.madvise(advice)
+    except OSError:  # EINVAL without CONFIG_TRANSPARENT_HUGEPAGE
+        region.close()
+        return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping while it lives
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[start : start + nbytes].view(dtype).view(shape).zero_()

@@ -288,7 +288,11 @@ def _vm_flags(address: int) -> set[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's smaps")
+# Whether this kernel has transparent huge pages at all (else it refuses MADV_HUGEPAGE).
+THP = Path("/sys/kernel/mm/transparent_hugepage").is_dir() and Path("/proc/self/smaps").exists()
+
+
+@pytest.mark.skipif(not THP, reason="needs a Linux kernel with transparent huge pages")
 def test_a_kv_pool_on_huge_pages_is_the_same_tensor_on_advised_aligned_memory():
     """``huge_pages``: the same shapes, strides and zeros, on memory that starts on a 2 MB
     boundary and is advised for transparent huge pages (``hg``), where plain ``torch.zeros``
@@ -316,7 +320,32 @@ def test_the_huge_pages_setting_is_on_by_default_and_names_its_values(monkeypatc
         kv_huge_pages()
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's smaps")
+def test_a_kernel_that_refuses_the_huge_page_advice_gets_plain_zeros(monkeypatch):
+    from kernels import interface
+
+    class Refusing:  # a kernel built without THP answers MADV_HUGEPAGE with EINVAL
+        def __init__(self, *args, **kwargs):
+            self.closed = False
+
+        def madvise(self, advice):
+            raise OSError(22, "Invalid argument")
+
+        def close(self):
+            self.closed = True
+
+    made = []
+
+    def refusing_mmap(*args, **kwargs):
+        made.append(Refusing())
+        return made[-1]
+
+    monkeypatch.setattr(interface.mmap, "mmap", refusing_mmap)
+    t = interface.huge_page_zeros((4, 16), torch.float32)
+    assert t.shape == (4, 16) and not t.any()
+    assert made and made[0].closed
+
+
+@pytest.mark.skipif(not THP, reason="needs a Linux kernel with transparent huge pages")
 def test_the_engine_puts_its_cpu_kv_pool_on_huge_pages_unless_told_not_to(
     tiny_model_dir, monkeypatch
 ):
