@@ -345,12 +345,14 @@ def test_f32_gemm_mode_names_the_allowed_values(monkeypatch):
 
 def _weights_of_every_kind() -> list[tuple[str, object, torch.dtype]]:
     """A [48, 64] weight as each GEMM here multiplies it: the pair GEMM (emulated, any CPU), the
-    panel GEMM (where its build loads) and oneDNN or F.linear (the unpacked path)."""
+    panel GEMM (where its build loads), oneDNN's layout (where torch has oneDNN) and as is
+    (F.linear): the last two compute a new tensor and copy it into ``out``."""
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(48, 64, generator=gen) * 0.1
     kinds = [("pairs", _pairs(w.bfloat16(), "emulated"), torch.bfloat16)]
     kinds += [(f"panels-{b}", _panels(w, b), torch.float32) for b in PANEL_BUILDS]
-    return kinds + [("unpacked", cpu_linear.pack(w), torch.float32)]
+    kinds += [("onednn", cpu_linear.pack_onednn(w), torch.float32)]
+    return kinds + [("unpacked", w, torch.float32)]
 
 
 def test_linear_writes_into_a_given_buffer_and_refuses_a_wrong_one():
@@ -365,7 +367,7 @@ def test_linear_writes_into_a_given_buffer_and_refuses_a_wrong_one():
         got = cpu_linear.linear(x, weight, bias, out=buffer)
         assert got.data_ptr() == buffer.data_ptr(), name
         assert torch.equal(buffer, want), name
-        if name == "unpacked":
+        if name in ("onednn", "unpacked"):
             continue  # torch's copy_ would broadcast or cast; only the kernels check
         with pytest.raises(RuntimeError, match=r"out must be \[9, 48\]"):
             cpu_linear.linear(x, weight, out=torch.empty(9, 47, dtype=dtype))
