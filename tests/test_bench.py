@@ -274,7 +274,8 @@ def test_gemm_bench_times_both_gemms_at_every_row_count_and_the_engine_both_ways
 
     out = tmp_path / "gemm.json"
     argv = ["gemm", "--model", str(tiny_model_dir), "--rows", "1,3", "--layers", "1",
-            "--rounds", "1", "--engine-rounds", "1", "--dtype", dtype, "--json", str(out)]  # fmt: skip
+            "--rounds", "1", "--engine-rounds", "1", "--dtype", dtype, "--json", str(out),
+            "--ahead-steps", "2"]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     if dtype == "bfloat16":
@@ -296,6 +297,16 @@ def test_gemm_bench_times_both_gemms_at_every_row_count_and_the_engine_both_ways
     printed = capsys.readouterr().out
     assert ("pair GEMM: " if dtype == "bfloat16" else "panel GEMM, build") in printed
     assert "speed-up" in printed
+    if dtype == "float32":  # the panel GEMM asking ahead and not, on the same weights
+        for line in result["gemm"]:
+            assert line["panels_not_ahead"]["ms"] > 0
+            assert line["ahead_speedup"] == line["panels_not_ahead"]["ms"] / line[own]["ms"]
+        steps = result["ahead_steps"]
+        assert steps["pairs"] == 2 and len(steps["ahead_ms"]) == len(steps["not_ahead_ms"]) == 2
+        assert "ahead saves" in printed and "pairs of decode steps" in printed
+        assert cpu_ops.load().set_panel_ahead(True) is True  # left on
+    else:
+        assert "ahead_steps" not in result and "panels_not_ahead" not in result["gemm"][0]
 
 
 def test_gpu_bench_checks_parity_on_new_weights_and_times_each_backend(

@@ -282,6 +282,29 @@ def test_panel_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(buil
 
 
 @pytest.mark.parametrize("build", PANEL_BUILDS)
+@pytest.mark.parametrize("rows", [16, 32, 70, 1030])
+def test_panel_gemm_asking_for_panels_ahead_changes_no_bit(build, rows):
+    """Items of 8 row tiles or more ask for their thread's next panels while they compute
+    (kernels/csrc/panel_gemm.cpp); prefetches change no result, and the switch is remembered."""
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load(build)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(960, 576, generator=gen) * 0.05
+    packed = ops.pack_panels(w)
+    ahead = ops.panels_linear(x, packed)
+    assert ops.set_panel_ahead(False) is True
+    try:
+        plain = ops.panels_linear(x, packed)
+    finally:
+        assert ops.set_panel_ahead(True) is False
+    assert torch.equal(ahead, plain)
+    want = x.double() @ w.double().t()
+    torch.testing.assert_close(ahead.double(), want, rtol=1e-5, atol=1e-5 * 576**0.5)
+
+
+@pytest.mark.parametrize("build", PANEL_BUILDS)
 def test_panel_gemm_strided_rows_and_empty_batches(build):
     gen = torch.Generator().manual_seed(9)
     packed = _panels(torch.randn(48, 64, generator=gen), build)

@@ -1462,6 +1462,9 @@ at::Tensor pairs_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tenso
                         bool emulate, c10::optional<at::Tensor> out);
 // The float32 linear layers (kernels/csrc/panel_gemm.cpp).
 int64_t panel_width();
+// Whether panels_linear asks for each thread's next panels ahead (on by default); returns the
+// setting before. Off only to measure what it saves (prefixmesh bench gemm).
+bool set_panel_ahead(bool on);
 at::Tensor pack_panels(at::Tensor weight);
 at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                          c10::optional<at::Tensor> out);
@@ -1505,6 +1508,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
         py::arg("emulate") = false, py::arg("out") = py::none(), NoGil());
   m.def("panel_width", &pm::panel_width, "float32 output features per panel in this build");
+  m.def("set_panel_ahead", &pm::set_panel_ahead,
+        "whether panels_linear asks for the next panels ahead (returns the old setting)");
   m.def("pack_panels", &pm::pack_panels, "a float32 [out, in] weight packed for panels_linear");
   m.def("panels_linear", &pm::panels_linear, "x @ weight.T (+ bias) on a panel-packed weight",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("out") = py::none(),

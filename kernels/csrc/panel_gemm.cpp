@@ -14,7 +14,9 @@
 // FMA. A work item is NT blocks; for MR rows at a time it keeps MR x NT vector accumulators in
 // registers, and for each input k loads NT weight vectors, broadcasts each row's x[m][k] and
 // multiplies it in. Items are spread over the threads; each streams its own panels once from
-// memory, then from cache for the next MR rows.
+// memory, then from cache for the next MR rows. While a thread computes an item it asks for its
+// next item's panels (into the L2, a share during each row tile), so that the next item's
+// first rows find them there instead of waiting on memory.
 //
 // Written against ATen's portable vectors, so each ISA build (kernels/cpu_ops.py) compiles it
 // for its own width, and the plain build runs the same loop on any CPU. Every row is summed in
@@ -22,6 +24,7 @@
 // or threads, so a row's result never depends on what it is batched with.
 
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
@@ -44,6 +47,28 @@ constexpr int MR = 4;
 #endif
 constexpr int NT_MAX = 3;
 
+// Items of fewer row tiles than this do not ask for the next item's panels: with few rows an
+// item is bound by its own reads from memory, and the next item's compete with them (4 rows
+// ran 20-25% slower with them; 64 rows 5-10% faster: docs/benchmarks.md, "Panels asked for
+// ahead").
+constexpr int64_t AHEAD_MIN_TILES = 8;
+
+inline void prefetch_l2(const char* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 2);  // prefetcht1
+#endif
+}
+
+// The next item's panels as a tile asks for them: `lines` cache lines from `next`, spread over
+// the tile's inputs (a few every `every` inputs).
+struct Ahead {
+  const char* next = nullptr;
+  int64_t lines = 0;
+};
+
+// Whether items ask for the next item's panels (set_panel_ahead: off only for A/B runs).
+std::atomic<bool> g_ahead{true};
+
 inline int blocks_per_item(int64_t blocks) {
   for (int nt = NT_MAX; nt > 1; --nt)
     if (blocks % nt == 0) return nt;
@@ -53,13 +78,21 @@ inline int blocks_per_item(int64_t blocks) {
 // R rows x NT blocks of the output, every input k.
 template <int R, int NT>
 inline void tile(const float* x, int64_t x_stride, int64_t K, const float* w, const float* bias,
-                 float* out, int64_t out_stride) {
+                 float* out, int64_t out_stride, Ahead ahead) {
   fVec acc[R][NT];
   for (int m = 0; m < R; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = fVec(0.f);
   const float* wt[NT];
   for (int t = 0; t < NT; ++t) wt[t] = w + t * K * W;
+  const int64_t every = ahead.lines > 0 ? std::max<int64_t>(1, K / ahead.lines) : K + 1;
+  const int64_t burst = (ahead.lines + K - 1) / K;
+  int64_t countdown = every;
   for (int64_t k = 0; k < K; ++k) {
+    if (--countdown == 0) {
+      countdown = every;
+      for (int64_t j = 0; j < burst && ahead.lines > 0; ++j, --ahead.lines, ahead.next += 64)
+        prefetch_l2(ahead.next);
+    }
     fVec wv[NT];
     for (int t = 0; t < NT; ++t) wv[t] = fVec::loadu(wt[t] + k * W);
     for (int m = 0; m < R; ++m) {
@@ -79,27 +112,42 @@ inline void tile(const float* x, int64_t x_stride, int64_t K, const float* w, co
 // The last `rows` (< MR) rows of an item, with a tile of exactly that many rows.
 template <int NT, int R = 1>
 void tail(int64_t rows, const float* x, int64_t x_stride, int64_t K, const float* w,
-          const float* bias, float* out, int64_t out_stride) {
+          const float* bias, float* out, int64_t out_stride, Ahead ahead) {
   if constexpr (R < MR) {
-    if (rows == R) return tile<R, NT>(x, x_stride, K, w, bias, out, out_stride);
-    return tail<NT, R + 1>(rows, x, x_stride, K, w, bias, out, out_stride);
+    if (rows == R) return tile<R, NT>(x, x_stride, K, w, bias, out, out_stride, ahead);
+    return tail<NT, R + 1>(rows, x, x_stride, K, w, bias, out, out_stride, ahead);
   }
 }
 
+// Blocks [first_block, first_block + NT) of every row; `has_next`: the thread's next item is
+// the next NT blocks, whose panels it asks for meanwhile.
 template <int NT>
 void item(const float* x, int64_t x_stride, int64_t M, int64_t K, const float* panels,
-          const float* bias, float* out, int64_t N, int64_t first_block) {
+          const float* bias, float* out, int64_t N, int64_t first_block, bool has_next) {
   const float* w = panels + first_block * K * W;
   const int64_t n0 = first_block * W;
   const float* b = bias ? bias + n0 : nullptr;
+  const int64_t tiles = (M + MR - 1) / MR;
+  const int64_t bytes = NT * K * W * int64_t(sizeof(float));
+  int64_t left = has_next && tiles >= AHEAD_MIN_TILES ? (bytes + 63) / 64 : 0;
+  const int64_t per_tile = (left + tiles - 1) / tiles;
+  Ahead ahead{reinterpret_cast<const char*>(w + NT * K * W), 0};
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<MR, NT>(x + m * x_stride, x_stride, K, w, b, out + m * N + n0, N);
-  if (m < M) tail<NT>(M - m, x + m * x_stride, x_stride, K, w, b, out + m * N + n0, N);
+  for (; m + MR <= M; m += MR) {
+    ahead.lines = std::min(per_tile, left);
+    tile<MR, NT>(x + m * x_stride, x_stride, K, w, b, out + m * N + n0, N, ahead);
+    ahead.next += ahead.lines * 64;
+    left -= ahead.lines;
+  }
+  ahead.lines = std::min(per_tile, left);
+  if (m < M) tail<NT>(M - m, x + m * x_stride, x_stride, K, w, b, out + m * N + n0, N, ahead);
 }
 
 }  // namespace
 
 int64_t panel_width() { return W; }
+
+bool set_panel_ahead(bool on) { return g_ahead.exchange(on); }
 
 at::Tensor pack_panels(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -141,12 +189,14 @@ at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tens
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
   const int NT = blocks_per_item(blocks);
+  const bool ahead = g_ahead.load(std::memory_order_relaxed);
   at::parallel_for(0, blocks / NT, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
+      const bool has_next = ahead && i + 1 < i1;
       switch (NT) {
-        case 3: item<3>(xp, xs, M, K, wp, b, op, N, i * 3); break;
-        case 2: item<2>(xp, xs, M, K, wp, b, op, N, i * 2); break;
-        default: item<1>(xp, xs, M, K, wp, b, op, N, i); break;
+        case 3: item<3>(xp, xs, M, K, wp, b, op, N, i * 3, has_next); break;
+        case 2: item<2>(xp, xs, M, K, wp, b, op, N, i * 2, has_next); break;
+        default: item<1>(xp, xs, M, K, wp, b, op, N, i, has_next); break;
       }
     }
   });

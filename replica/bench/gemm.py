@@ -10,6 +10,13 @@ weights and GFLOP/s. With ``--engine-rounds N`` it also runs the engine end to e
 on the throughput workload (64 x 200 tokens, 128 out) and the varied one (``bench varied``),
 alternating N rounds. Where the CPU has no ``vdpbf16ps`` the pair GEMM's plain C++ emulation is
 timed instead, and the output says so.
+
+In float32 it also times the panel GEMM without asking for each thread's next panels ahead
+(``set_panel_ahead(False)``), on the same weights in the same rounds, and prints what asking
+ahead saves. ``--ahead-steps N`` measures the same in the engine: 64 sequences in steady decode,
+N pairs of decode steps, one of each pair with it on and one off (in turn first), and prints
+both medians and in how many pairs it was faster. Whole steps alternate because this machine's
+speed drifts by more than the difference over the seconds a round of several steps takes.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--engine-rounds", type=int, default=0, help="engine A/B rounds (0: GEMMs only)"
     )
+    parser.add_argument(
+        "--ahead-steps", type=int, default=0,
+        help="float32: decode-step pairs, panels asked for ahead vs not (0: none)",
+    )  # fmt: skip
 
 
 def _weights(mode: str, layers: int, gen: torch.Generator, dtype: torch.dtype) -> dict[str, list]:
@@ -69,6 +80,25 @@ def _time_model(weights: dict[str, list], rows: int, dtype: torch.dtype) -> dict
     return seconds
 
 
+NO_AHEAD = "panels_not_ahead"  # the panel GEMM with set_panel_ahead(False)
+
+
+def _best_times(ops, arms: dict[str, dict], row_counts: list[int], rounds: int, dtype) -> dict:
+    """Each arm's best seconds per shape at each row count over ``rounds`` alternating rounds."""
+    best: dict[tuple[str, int], dict[str, float]] = {}
+    try:
+        for _ in range(rounds):
+            for rows in row_counts:
+                for mode, weights in arms.items():
+                    ops.set_panel_ahead(mode != NO_AHEAD)
+                    got = _time_model(weights, rows, dtype)
+                    key = (mode, rows)
+                    best[key] = {n: min(s, best.get(key, {}).get(n, s)) for n, s in got.items()}
+    finally:
+        ops.set_panel_ahead(True)
+    return best
+
+
 def run(args) -> dict:
     from kernels import cpu_flags, cpu_ops
 
@@ -100,13 +130,10 @@ def run(args) -> dict:
         own_name: _weights(own_mode, args.layers, gen, dtype),
     }
     row_counts = [int(r) for r in args.rows.split(",")]
-    best: dict[tuple[str, int], dict[str, float]] = {}
-    for _ in range(args.rounds):
-        for rows in row_counts:
-            for mode, weights in modes.items():
-                got = _time_model(weights, rows, dtype)
-                key = (mode, rows)
-                best[key] = {n: min(s, best.get(key, {}).get(n, s)) for n, s in got.items()}
+    # In float32 the panel GEMM also runs without asking for its next panels ahead, on the same
+    # weights: what that saves (kernels/csrc/panel_gemm.cpp).
+    arms = {**modes, NO_AHEAD: modes["panels"]} if own_name == "panels" else modes
+    best = _best_times(ops, arms, row_counts, args.rounds, dtype)
     result = {
         "threads": threads,
         "dtype": args.dtype,
@@ -118,15 +145,16 @@ def run(args) -> dict:
         f"best of {args.rounds} rounds, {args.layers} layers' weights + one LM head, {args.dtype}:"
     )
     print(f"  {'rows':>5}  {'oneDNN ms':>9}  {'GB/s':>5}  {'GFLOP/s':>7}  {own_name + ' ms':>9}  "
-          f"{'GB/s':>5}  {'GFLOP/s':>7}  {'speed-up':>8}")  # fmt: skip
+          f"{'GB/s':>5}  {'GFLOP/s':>7}  {'speed-up':>8}"
+          + (f"  {'not ahead ms':>12}  {'ahead saves':>11}" if NO_AHEAD in arms else ""))  # fmt: skip
+    elements = sum(
+        n * k * (1 if name == "lm_head" else args.layers)
+        for name, (n, k) in SMOLLM2_LINEARS.items()
+    )
     for rows in row_counts:
-        line = {"rows": rows}
-        for mode in modes:
+        line: dict = {"rows": rows}
+        for mode in arms:
             secs = sum(best[(mode, rows)].values())
-            elements = sum(
-                n * k * (1 if name == "lm_head" else args.layers)
-                for name, (n, k) in SMOLLM2_LINEARS.items()
-            )
             line[mode] = {
                 "ms": 1000 * secs,
                 "gb_s": dtype.itemsize * elements / secs / 1e9,
@@ -135,11 +163,59 @@ def run(args) -> dict:
         line["speedup"] = line["onednn"]["ms"] / line[own_name]["ms"]
         result["gemm"].append(line)
         a, b = line["onednn"], line[own_name]
-        print(f"  {rows:>5}  {a['ms']:>9.2f}  {a['gb_s']:>5.1f}  {a['gflops']:>7.0f}  "
-              f"{b['ms']:>9.2f}  {b['gb_s']:>5.1f}  {b['gflops']:>7.0f}  {line['speedup']:>7.2f}x")  # fmt: skip
+        text = (f"  {rows:>5}  {a['ms']:>9.2f}  {a['gb_s']:>5.1f}  {a['gflops']:>7.0f}  "
+                f"{b['ms']:>9.2f}  {b['gb_s']:>5.1f}  {b['gflops']:>7.0f}  {line['speedup']:>7.2f}x")  # fmt: skip
+        if NO_AHEAD in arms:
+            line["ahead_speedup"] = line[NO_AHEAD]["ms"] / b["ms"]
+            text += f"  {line[NO_AHEAD]['ms']:>12.2f}  {line['ahead_speedup']:>10.2f}x"
+        print(text)
     if args.engine_rounds:
         result["engine"] = _engines(args, own_mode, args.dtype)
+    if args.ahead_steps and NO_AHEAD in arms:
+        result["ahead_steps"] = _ahead_steps(args, ops)
     return result
+
+
+def _ahead_steps(args, ops) -> dict:
+    """Decode steps of 64 sequences with the panel GEMM asking ahead and not, in pairs."""
+    import statistics
+
+    from kernels import cpu_linear
+    from replica.bench.breakdown import start_decoding
+    from replica.bench.timing import make_llm
+
+    # The panel GEMM even where float32 runs on oneDNN by default (AVX-512 builds).
+    previous = os.environ.get(cpu_linear.F32_GEMM_ENV)
+    os.environ[cpu_linear.F32_GEMM_ENV] = "panels"
+    try:
+        llm = make_llm(args, dtype="float32", max_num_seqs=256)
+    finally:
+        if previous is None:
+            del os.environ[cpu_linear.F32_GEMM_ENV]
+        else:
+            os.environ[cpu_linear.F32_GEMM_ENV] = previous
+    engine = llm.engine
+    prompts = random_prompts(64, 200, engine.model_config.vocab_size, seed=7)
+    start_decoding(engine, prompts, max_tokens=2 * args.ahead_steps + 8)
+    ms: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for pair in range(args.ahead_steps):
+            for ahead in (True, False) if pair % 2 == 0 else (False, True):
+                ops.set_panel_ahead(ahead)
+                start = time.perf_counter()
+                engine.step()
+                ms[ahead].append(1000 * (time.perf_counter() - start))
+    finally:
+        ops.set_panel_ahead(True)
+        engine.abort_all()
+    on, off = statistics.median(ms[True]), statistics.median(ms[False])
+    wins = sum(a < b for a, b in zip(ms[True], ms[False]))
+    print(
+        f"engine, {args.ahead_steps} pairs of decode steps (64 sequences, float32): median "
+        f"{on:.1f} ms asking ahead, {off:.1f} ms not ({off / on:.3f}x); faster in "
+        f"{wins} of {args.ahead_steps} pairs"
+    )
+    return {"pairs": args.ahead_steps, "ahead_ms": ms[True], "not_ahead_ms": ms[False]}
 
 
 def _engines(args, own_mode: str, dtype: str) -> list[dict]:
