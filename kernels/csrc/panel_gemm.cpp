@@ -24,9 +24,10 @@
 // or threads, so a row's result never depends on what it is batched with.
 
 #include <ATen/Parallel.h>
-#include <atomic>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
+
+#include <atomic>
 
 #include "output.h"
 
@@ -49,8 +50,8 @@ constexpr int NT_MAX = 3;
 
 // Items of fewer row tiles than this do not ask for the next item's panels: with few rows an
 // item is bound by its own reads from memory, and the next item's compete with them (4 rows
-// ran 20-25% slower with them; 64 rows 5-10% faster: docs/benchmarks.md, "Panels asked for
-// ahead").
+// ran 20-25% slower with them; a 64-sequence decode step ran 2% faster: docs/benchmarks.md,
+// "Panels asked for ahead").
 constexpr int64_t AHEAD_MIN_TILES = 8;
 
 inline void prefetch_l2(const char* p) {
