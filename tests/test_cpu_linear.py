@@ -282,9 +282,9 @@ def test_panel_gemm_gives_a_row_the_same_bits_in_any_batch_and_thread_count(buil
 
 
 @pytest.mark.parametrize("build", PANEL_BUILDS)
-@pytest.mark.parametrize("rows", [16, 32, 70, 1030])
+@pytest.mark.parametrize("rows", [8, 12, 16, 70, 1030])
 def test_panel_gemm_asking_for_panels_ahead_changes_no_bit(build, rows):
-    """Items of 8 row tiles or more ask for their thread's next panels while they compute
+    """From 12 rows up an item asks for its thread's next panels while it computes
     (kernels/csrc/panel_gemm.cpp); prefetches change no result, and the switch is remembered."""
     from kernels import cpu_ops
 

@@ -48,11 +48,12 @@ constexpr int MR = 4;
 #endif
 constexpr int NT_MAX = 3;
 
-// Items of fewer row tiles than this do not ask for the next item's panels: with few rows an
-// item is bound by its own reads from memory, and the next item's compete with them (4 rows
-// ran 20-25% slower with them; a 64-sequence decode step ran 2% faster: docs/benchmarks.md,
-// "Panels asked for ahead").
-constexpr int64_t AHEAD_MIN_TILES = 8;
+// Calls of fewer rows than this do not ask for the next item's panels: with few rows an item
+// computes for less time than the next one's read from memory takes, it is bound by its own
+// reads, and the next item's compete with them. Measured on AVX2 (docs/benchmarks.md, "Panels
+// asked for ahead"), 30 layers' weights read cold, not asking against asking: 4 rows 0.78x,
+// 8 rows 0.95x, 12 rows 1.09x, 16 rows 1.06x, 24 rows 1.2x, 64 rows 1.1x.
+constexpr int64_t AHEAD_MIN_ROWS = 12;
 
 inline void prefetch_l2(const char* p) {
 #if defined(__GNUC__)
@@ -130,7 +131,7 @@ void item(const float* x, int64_t x_stride, int64_t M, int64_t K, const float* p
   const float* b = bias ? bias + n0 : nullptr;
   const int64_t tiles = (M + MR - 1) / MR;
   const int64_t bytes = NT * K * W * int64_t(sizeof(float));
-  int64_t left = has_next && tiles >= AHEAD_MIN_TILES ? (bytes + 63) / 64 : 0;
+  int64_t left = has_next && M >= AHEAD_MIN_ROWS ? (bytes + 63) / 64 : 0;
   const int64_t per_tile = (left + tiles - 1) / tiles;
   Ahead ahead{reinterpret_cast<const char*>(w + NT * K * W), 0};
   int64_t m = 0;

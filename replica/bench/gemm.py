@@ -13,10 +13,11 @@ timed instead, and the output says so.
 
 In float32 it also times the panel GEMM without asking for each thread's next panels ahead
 (``set_panel_ahead(False)``), on the same weights in the same rounds, and prints what asking
-ahead saves. ``--ahead-steps N`` measures the same in the engine: 64 sequences in steady decode,
-N pairs of decode steps, one of each pair with it on and one off (in turn first), and prints
-both medians and in how many pairs it was faster. Whole steps alternate because this machine's
-speed drifts by more than the difference over the seconds a round of several steps takes.
+ahead saves. ``--ahead-steps N`` measures the same in the engine: ``--ahead-batch`` sequences
+(default 64) in steady decode, N pairs of decode steps, one of each pair with it on and one off
+(in turn first); it prints both medians and in how many pairs it was faster. Whole steps
+alternate because this machine's speed drifts by more than the difference over the seconds a
+round of several steps takes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def add_arguments(parser) -> None:
         "--ahead-steps", type=int, default=0,
         help="float32: decode-step pairs, panels asked for ahead vs not (0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ahead-batch", type=int, default=64, help="sequences decoding in --ahead-steps"
+    )
 
 
 def _weights(mode: str, layers: int, gen: torch.Generator, dtype: torch.dtype) -> dict[str, list]:
@@ -177,7 +181,8 @@ def run(args) -> dict:
 
 
 def _ahead_steps(args, ops) -> dict:
-    """Decode steps of 64 sequences with the panel GEMM asking ahead and not, in pairs."""
+    """Decode steps of ``--ahead-batch`` sequences with the panel GEMM asking ahead and not,
+    in pairs."""
     import statistics
 
     from kernels import cpu_linear
@@ -195,7 +200,7 @@ def _ahead_steps(args, ops) -> dict:
         else:
             os.environ[cpu_linear.F32_GEMM_ENV] = previous
     engine = llm.engine
-    prompts = random_prompts(64, 200, engine.model_config.vocab_size, seed=7)
+    prompts = random_prompts(args.ahead_batch, 200, engine.model_config.vocab_size, seed=7)
     start_decoding(engine, prompts, max_tokens=2 * args.ahead_steps + 8)
     ms: dict[bool, list[float]] = {True: [], False: []}
     try:
@@ -211,11 +216,17 @@ def _ahead_steps(args, ops) -> dict:
     on, off = statistics.median(ms[True]), statistics.median(ms[False])
     wins = sum(a < b for a, b in zip(ms[True], ms[False]))
     print(
-        f"engine, {args.ahead_steps} pairs of decode steps (64 sequences, float32): median "
+        f"engine, {args.ahead_steps} pairs of decode steps ({args.ahead_batch} sequences, "
+        f"float32): median "
         f"{on:.1f} ms asking ahead, {off:.1f} ms not ({off / on:.3f}x); faster in "
         f"{wins} of {args.ahead_steps} pairs"
     )
-    return {"pairs": args.ahead_steps, "ahead_ms": ms[True], "not_ahead_ms": ms[False]}
+    return {
+        "pairs": args.ahead_steps,
+        "batch": args.ahead_batch,
+        "ahead_ms": ms[True],
+        "not_ahead_ms": ms[False],
+    }
 
 
 def _engines(args, own_mode: str, dtype: str) -> list[dict]:
