@@ -191,8 +191,23 @@ def linear(
         if x.stride(-1) != 1:
             x = x.contiguous()
         return weight.ops.pairs_linear(x, weight.packed, bias, weight.emulate, out=out)
+    if out is not None:
+        _check_out(out, (x.shape[0], weight.shape[0]), x)
     result = _unpacked_linear(x, weight, bias, invariant)
     return result if out is None else out.copy_(result)
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, int], x: torch.Tensor) -> None:
+    """The checks the packed kernels make of ``out`` (kernels/csrc/output.h), with their
+    messages, for the paths that copy into it: torch's ``copy_`` would broadcast or cast."""
+    if tuple(out.shape) != shape:
+        raise RuntimeError(f"linear: out must be {list(shape)}, got {list(out.shape)}")
+    if out.dtype != x.dtype or out.device != x.device:
+        raise RuntimeError(
+            f"linear: out must be {x.dtype} on {x.device}, got {out.dtype} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise RuntimeError("linear: out must be contiguous")
 
 
 def _unpacked_linear(

@@ -380,7 +380,8 @@ def _weights_of_every_kind() -> list[tuple[str, object, torch.dtype]]:
 
 def test_linear_writes_into_a_given_buffer_and_refuses_a_wrong_one():
     """``out=``: the same bits as a new tensor, in the caller's buffer (the model reuses one a
-    forward pass, kernels/csrc/output.h); a buffer of the wrong shape or dtype is refused."""
+    forward pass, kernels/csrc/output.h); a buffer of the wrong shape, dtype or layout is
+    refused with the same message on every path, the copying ones (oneDNN, F.linear) too."""
     gen = torch.Generator().manual_seed(12)
     for name, weight, dtype in _weights_of_every_kind():
         x = torch.randn(9, 64, generator=gen).to(dtype)
@@ -390,8 +391,6 @@ def test_linear_writes_into_a_given_buffer_and_refuses_a_wrong_one():
         got = cpu_linear.linear(x, weight, bias, out=buffer)
         assert got.data_ptr() == buffer.data_ptr(), name
         assert torch.equal(buffer, want), name
-        if name in ("onednn", "unpacked"):
-            continue  # torch's copy_ would broadcast or cast; only the kernels check
         with pytest.raises(RuntimeError, match=r"out must be \[9, 48\]"):
             cpu_linear.linear(x, weight, out=torch.empty(9, 47, dtype=dtype))
         wrong = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
@@ -399,3 +398,6 @@ def test_linear_writes_into_a_given_buffer_and_refuses_a_wrong_one():
             cpu_linear.linear(x, weight, out=torch.empty(9, 48, dtype=wrong))
         with pytest.raises(RuntimeError, match="out must be contiguous"):
             cpu_linear.linear(x, weight, out=torch.empty(48, 9, dtype=dtype).t())
+        # A [48] buffer would take a [1, 48] result by broadcasting in torch's copy_.
+        with pytest.raises(RuntimeError, match=r"out must be \[1, 48\]"):
+            cpu_linear.linear(x[:1], weight, out=torch.empty(48, dtype=dtype))
