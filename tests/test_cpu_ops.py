@@ -895,3 +895,28 @@ def test_the_long_kernels_let_other_threads_run(isa, kind):
     numbers = [random.random() for _ in range(2_000_000)]
     wakeups, seconds = _wakeups_during(lambda: sorted(numbers))
     assert wakeups <= 2, f"sorted: {wakeups} wakeups in {seconds:.2f} s"
+
+
+def test_an_installed_package_ships_every_file_the_kernel_build_reads():
+    """A wheel (``pip install .``, the replica's image) holds what pyproject.toml's package-data
+    names: every source and every header the sources include must be there, and in
+    ``cpu_ops.HEADERS`` (the build's digest), or the kernels cannot build where it is installed."""
+    import fnmatch
+    import re
+
+    import tomllib
+
+    from kernels import cpu_ops
+
+    folder = Path(cpu_ops.__file__).resolve().parent
+    pyproject = tomllib.loads((folder.parent / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    included = {
+        name
+        for source in cpu_ops.SOURCES
+        for name in re.findall(r'^#include "([^"]+)"', source.read_text(), re.MULTILINE)
+    }
+    assert included and included <= {header.name for header in cpu_ops.HEADERS}
+    for path in (*cpu_ops.SOURCES, *cpu_ops.HEADERS):
+        name = path.resolve().relative_to(folder).as_posix()
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in shipped), name
