@@ -32,7 +32,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # on AVX-512 BF16 and float32 on FMA vectors.
 SOURCES = (SOURCE, SOURCE.parent / "pair_gemm.cpp", SOURCE.parent / "panel_gemm.cpp")
 # Included by the sources (elementwise.h twice: docs/kernels.md); part of the build's digest.
-HEADERS = (SOURCE.parent / "elementwise.h", SOURCE.parent / "output.h")
+HEADERS = tuple(SOURCE.parent / h for h in ("elementwise.h", "output.h", "prefetch.h"))
 _X86 = platform.machine() in ("x86_64", "AMD64")
 _COMMON_X86 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"]
 # What ATen passes when it compiles its own kernels for each capability.

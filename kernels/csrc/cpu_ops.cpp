@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "output.h"
+#include "prefetch.h"
 
 #if defined(PM_AMX)
 #include <immintrin.h>
@@ -117,16 +118,6 @@ inline float hsum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
 }
 
-// Into the L2, not the L1 (locality 2: prefetcht1). A decode step's KV comes from memory, and
-// the L1's few outstanding misses fill up with a burst of a block's lines: demand loads then
-// wait behind them, and the kernel's arithmetic and its reads stop overlapping. Into the L2,
-// the same kernel ran 1.25-1.4x faster from memory (docs/benchmarks.md), and no slower hot.
-inline void prefetch(const void* p) {
-#if defined(__GNUC__)
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
 // Cache lines of `bytes` from p, asked for ahead of use. Rows of the paged cache come from
 // scattered blocks, so the hardware prefetcher cannot see them coming; every line of a head's
 // row is asked for 32 tokens ahead (about a memory latency of the kernel's work), and
@@ -135,7 +126,7 @@ constexpr int64_t PREFETCH_TOKENS = 32;
 constexpr int64_t PREFETCH_BLOCKS = 4;
 inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) prefetch(c + b);
+  for (int64_t b = 0; b < bytes; b += 64) pm::prefetch(c + b);
 }
 
 // Offsets (in elements) of a sequence's first `len` tokens' rows in a paged cache whose blocks

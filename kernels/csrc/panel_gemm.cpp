@@ -30,6 +30,7 @@
 #include <atomic>
 
 #include "output.h"
+#include "prefetch.h"
 
 namespace pm {
 namespace {
@@ -54,12 +55,6 @@ constexpr int NT_MAX = 3;
 // asked for ahead"), 30 layers' weights read cold, not asking against asking: 4 rows 0.78x,
 // 8 rows 0.95x, 12 rows 1.09x, 16 rows 1.06x, 24 rows 1.2x, 64 rows 1.1x.
 constexpr int64_t AHEAD_MIN_ROWS = 12;
-
-inline void prefetch_l2(const char* p) {
-#if defined(__GNUC__)
-  __builtin_prefetch(p, 0, 2);  // prefetcht1
-#endif
-}
 
 // The next item's panels as a tile asks for them: `lines` cache lines from `next`, spread over
 // the tile's inputs (a few every `every` inputs).
@@ -93,7 +88,7 @@ inline void tile(const float* x, int64_t x_stride, int64_t K, const float* w, co
     if (--countdown == 0) {
       countdown = every;
       for (int64_t j = 0; j < burst && ahead.lines > 0; ++j, --ahead.lines, ahead.next += 64)
-        prefetch_l2(ahead.next);
+        prefetch(ahead.next);  // into the L2
     }
     fVec wv[NT];
     for (int t = 0; t < NT; ++t) wv[t] = fVec::loadu(wt[t] + k * W);
