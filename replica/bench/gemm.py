@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -190,15 +191,8 @@ def _ahead_steps(args, ops) -> dict:
     from replica.bench.timing import make_llm
 
     # The panel GEMM even where float32 runs on oneDNN by default (AVX-512 builds).
-    previous = os.environ.get(cpu_linear.F32_GEMM_ENV)
-    os.environ[cpu_linear.F32_GEMM_ENV] = "panels"
-    try:
+    with mock.patch.dict(os.environ, {cpu_linear.F32_GEMM_ENV: "panels"}):
         llm = make_llm(args, dtype="float32", max_num_seqs=256)
-    finally:
-        if previous is None:
-            del os.environ[cpu_linear.F32_GEMM_ENV]
-        else:
-            os.environ[cpu_linear.F32_GEMM_ENV] = previous
     engine = llm.engine
     prompts = random_prompts(args.ahead_batch, 200, engine.model_config.vocab_size, seed=7)
     start_decoding(engine, prompts, max_tokens=2 * args.ahead_steps + 8)
