@@ -56,8 +56,10 @@ class AttentionMetadata:
 
 
 KEY_LAYOUTS = ("rows", "tokens", "heads")
-# ``PREFIXMESH_KV_HUGE_PAGES=0`` keeps a CPU KV pool on the OS's 4 KB pages (kv_huge_pages).
+# ``PREFIXMESH_KV_HUGE_PAGES=0`` keeps a CPU KV pool on the OS's 4 KB pages (kv_huge_pages),
+# ``PREFIXMESH_WEIGHT_HUGE_PAGES=0`` the packed weights of our own GEMMs (weight_huge_pages).
 HUGE_PAGES_ENV = "PREFIXMESH_KV_HUGE_PAGES"
+WEIGHT_HUGE_PAGES_ENV = "PREFIXMESH_WEIGHT_HUGE_PAGES"
 HUGE_PAGE_BYTES = 2 << 20
 
 
@@ -99,14 +101,17 @@ def new_kv_cache(
     return keys.permute(0, 3, 1, 2), head_major()
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, *, prefault: bool = True
+) -> torch.Tensor:
     """A zeroed CPU tensor on private anonymous memory that starts on a 2 MB boundary and is
     advised for transparent huge pages (``MADV_HUGEPAGE``; the kernel's THP setting must be
     ``madvise`` or ``always``, else it stays on 4 KB pages). Decode attention reads the KV pool
     a block at a time from blocks scattered over hundreds of MB: on 4 KB pages each block's
     rows cost TLB misses, which huge pages take away (docs/benchmarks.md: 10-17% off the
     kernel on a 2-core Zen 3 VM). Every page is touched here, so that none faults in later
-    inside a step. Where ``mmap`` cannot advise (not Linux, or a kernel built without THP,
+    inside a step; ``prefault=False`` leaves that to a caller about to fill the tensor (the
+    memory is zero either way). Where ``mmap`` cannot advise (not Linux, or a kernel built without THP,
     which refuses the advice), ``torch.zeros``."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -121,15 +126,27 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping while it lives
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    return raw[start : start + nbytes].view(dtype).view(shape).zero_()
+    tensor = raw[start : start + nbytes].view(dtype).view(shape)
+    return tensor.zero_() if prefault else tensor
 
 
 def kv_huge_pages() -> bool:
     """Whether a CPU engine puts its KV pool on huge pages (``PREFIXMESH_KV_HUGE_PAGES``:
     ``1``, the default, or ``0``)."""
-    setting = os.environ.get(HUGE_PAGES_ENV, "1").strip()
+    return _switch(HUGE_PAGES_ENV)
+
+
+def weight_huge_pages() -> bool:
+    """Whether a CPU engine copies the packed weights of its own GEMMs onto huge pages
+    (``PREFIXMESH_WEIGHT_HUGE_PAGES``: ``1``, the default, or ``0``; kernels/cpu_linear.py
+    ``on_huge_pages``)."""
+    return _switch(WEIGHT_HUGE_PAGES_ENV)
+
+
+def _switch(env: str) -> bool:
+    setting = os.environ.get(env, "1").strip()
     if setting not in ("0", "1"):
-        raise ValueError(f"{HUGE_PAGES_ENV} must be 0 or 1, got {setting!r}")
+        raise ValueError(f"{env} must be 0 or 1, got {setting!r}")
     return setting == "1"
 
 

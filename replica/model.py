@@ -21,8 +21,11 @@ import torch.nn.functional as F
 
 from kernels import cpu_linear, cpu_ops
 from kernels.cpu_linear import pack
-from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.interface import AttentionBackend, AttentionMetadata, weight_huge_pages
 from replica.model_config import ModelConfig, rope_inv_freq
+
+# Each layer's matmul weights, packed by ``pack`` (kernels/cpu_linear.py).
+GEMM_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +86,8 @@ class LlamaModel:
                     "down": pack(take(p + "mlp.down_proj.weight")),
                 }
             )
+        if weight_huge_pages():
+            self._weights_on_huge_pages()
         # cos/sin tables for every position, computed in float32 as Hugging Face does.
         inv_freq = rope_inv_freq(c).to(device)
         freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
@@ -95,6 +100,17 @@ class LlamaModel:
         self.ops = cpu_ops.load() if fusable else None
         self.cos_half = freqs.cos().contiguous()
         self.sin_half = freqs.sin().contiguous()
+
+    def _weights_on_huge_pages(self) -> None:
+        """The matmuls' packed weights moved onto huge pages (``cpu_linear.on_huge_pages``),
+        taken out of the layers first so that each original is freed once copied."""
+        slots = [(layer, name) for layer in self.layers for name in GEMM_WEIGHTS]
+        weights = [layer.pop(name) for layer, name in slots] + [self.lm_head]
+        del self.lm_head
+        weights = cpu_linear.on_huge_pages(weights)
+        for (layer, name), weight in zip(slots, weights):
+            layer[name] = weight
+        self.lm_head = weights[-1]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalize in float32, cast back, then scale: Hugging Face's order (bit for bit in

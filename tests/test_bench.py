@@ -268,14 +268,19 @@ def test_fetch_bench_fetches_the_prefix_and_reports_the_transfer(tiny_model_dir,
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gemm_bench_times_both_gemms_at_every_row_count_and_the_engine_both_ways(
-    tiny_model_dir, tmp_path, capsys, dtype
+    tiny_model_dir, tmp_path, capsys, dtype, monkeypatch
 ):
-    from kernels import cpu_ops
+    from kernels import cpu_linear, cpu_ops
+
+    # The engine of --pages-steps on our own GEMMs on any CPU (the pair GEMM emulated where
+    # there is no vdpbf16ps); --engine-rounds and --ahead-steps choose their own.
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "panels")
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "emulated")
 
     out = tmp_path / "gemm.json"
     argv = ["gemm", "--model", str(tiny_model_dir), "--rows", "1,3", "--layers", "1",
             "--rounds", "1", "--engine-rounds", "1", "--dtype", dtype, "--json", str(out),
-            "--ahead-steps", "2"]  # fmt: skip
+            "--ahead-steps", "2", "--pages-steps", "2", "--pages-batches", "1,3"]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     if dtype == "bfloat16":
@@ -307,6 +312,16 @@ def test_gemm_bench_times_both_gemms_at_every_row_count_and_the_engine_both_ways
         assert cpu_ops.load().set_panel_ahead(True) is True  # left on
     else:
         assert "ahead_steps" not in result and "panels_not_ahead" not in result["gemm"][0]
+    # Our GEMM's weights on huge pages (the default) against the same on 4 KB pages.
+    for line in result["gemm"]:
+        assert line["huge_pages_speedup"] == line["own_small_pages"]["ms"] / line[own]["ms"]
+    assert "huge saves" in printed
+    # ... and in the engine, whose weights the environment put on our own GEMM (above).
+    assert [row["batch"] for row in result["pages_steps"]] == [1, 3]
+    for row in result["pages_steps"]:
+        assert len(row["huge_ms"]) == len(row["small_ms"]) == 2
+        assert all(ms > 0 for ms in row["huge_ms"] + row["small_ms"])
+    assert "on huge pages" in printed and "on 4 KB pages" in printed
 
 
 def test_gpu_bench_checks_parity_on_new_weights_and_times_each_backend(

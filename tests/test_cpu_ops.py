@@ -29,9 +29,11 @@ from kernels.interface import (
     HUGE_PAGE_BYTES,
     HUGE_PAGES_ENV,
     KEY_LAYOUTS,
+    WEIGHT_HUGE_PAGES_ENV,
     key_layout_of,
     kv_huge_pages,
     new_kv_cache,
+    weight_huge_pages,
 )
 from kernels.torch_ref import TorchAttentionBackend
 
@@ -310,14 +312,45 @@ def test_a_kv_pool_on_huge_pages_is_the_same_tensor_on_advised_aligned_memory():
     assert "hg" not in _vm_flags(big.data_ptr())
 
 
-def test_the_huge_pages_setting_is_on_by_default_and_names_its_values(monkeypatch):
-    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
-    assert kv_huge_pages()
-    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
-    assert not kv_huge_pages()
-    monkeypatch.setenv(HUGE_PAGES_ENV, "yes")
-    with pytest.raises(ValueError, match="PREFIXMESH_KV_HUGE_PAGES must be 0 or 1"):
-        kv_huge_pages()
+@pytest.mark.parametrize(
+    "env, setting", [(HUGE_PAGES_ENV, kv_huge_pages), (WEIGHT_HUGE_PAGES_ENV, weight_huge_pages)]
+)
+def test_the_huge_pages_settings_are_on_by_default_and_name_their_values(env, setting, monkeypatch):
+    monkeypatch.delenv(env, raising=False)
+    assert setting()
+    monkeypatch.setenv(env, "0")
+    assert not setting()
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError, match=f"{env} must be 0 or 1"):
+        setting()
+
+
+def test_our_own_packed_weights_move_onto_huge_pages_and_nothing_else_does():
+    from kernels import cpu_linear
+
+    gen = torch.Generator().manual_seed(4)
+    ops = cpu_ops.load()
+    w32 = torch.randn(48, 40, generator=gen)
+    w16 = (torch.randn(32, 64, generator=gen) * 0.1).bfloat16()
+    panels = cpu_linear.PanelPacked(ops.pack_panels(w32), ops)
+    pairs = cpu_linear.pack_pairs(w16, "emulated")
+    dense = torch.randn(8, 40, generator=gen)
+    weights = [panels, dense, pairs]
+    moved = cpu_linear.on_huge_pages(weights)
+    assert moved is weights and moved[1] is dense  # in place; the dense weight as it was
+    for before, after in zip((panels, pairs), (moved[0], moved[2])):
+        assert type(after) is type(before) and after.packed is not before.packed
+        assert torch.equal(after.packed, before.packed)
+        assert after.packed.stride() == before.packed.stride()
+        if THP:
+            assert "hg" in _vm_flags(after.packed.data_ptr())
+    # Both in one region, each on its own 4 KB boundary.
+    assert moved[2].packed.data_ptr() - moved[0].packed.data_ptr() == 8192  # 7,680 bytes
+    x = torch.randn(5, 40, generator=gen)
+    assert torch.equal(cpu_linear.linear(x, moved[0]), cpu_linear.linear(x, panels))
+    xb = torch.randn(5, 64, generator=gen).bfloat16()
+    assert torch.equal(cpu_linear.linear(xb, moved[2]), cpu_linear.linear(xb, pairs))
+    assert cpu_linear.on_huge_pages([dense]) == [dense]  # nothing of ours: no region
 
 
 def test_a_kernel_that_refuses_the_huge_page_advice_gets_plain_zeros(monkeypatch):
@@ -360,6 +393,30 @@ def test_the_engine_puts_its_cpu_kv_pool_on_huge_pages_unless_told_not_to(
         for k_cache, v_cache in llm.engine.runner.kv_caches:
             for cache in (k_cache, v_cache):
                 assert ("hg" in _vm_flags(cache.data_ptr())) == (setting == "1")
+        outputs[setting] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert outputs["1"] == outputs["0"]
+
+
+@pytest.mark.skipif(not THP, reason="needs a Linux kernel with transparent huge pages")
+def test_the_engine_puts_its_packed_weights_on_huge_pages_unless_told_not_to(
+    tiny_model_dir, monkeypatch
+):
+    from kernels import cpu_linear
+    from replica import LLM, SamplingParams
+    from replica.model import GEMM_WEIGHTS
+
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "panels")  # our own GEMM on any build
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 11, 200, 7], list(range(40, 75))]
+    outputs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(WEIGHT_HUGE_PAGES_ENV, setting)
+        llm = LLM(str(tiny_model_dir), dtype="float32")
+        model = llm.engine.runner.model
+        # (The LM head stays oneDNN's: the tiny vocabulary is no multiple of a panel.)
+        for weight in [layer[name] for layer in model.layers for name in GEMM_WEIGHTS]:
+            assert isinstance(weight, cpu_linear.PanelPacked)
+            assert ("hg" in _vm_flags(weight.packed.data_ptr())) == (setting == "1")
         outputs[setting] = [out.token_ids for out in llm.generate(prompts, params)]
     assert outputs["1"] == outputs["0"]
 

@@ -18,6 +18,12 @@ ahead saves. ``--ahead-steps N`` measures the same in the engine: ``--ahead-batc
 (in turn first); it prints both medians and in how many pairs it was faster. Whole steps
 alternate because this machine's speed drifts by more than the difference over the seconds a
 round of several steps takes.
+
+Our own GEMMs' weights sit on huge pages, as the engine puts them (``PREFIXMESH_WEIGHT_HUGE_PAGES``,
+kernels/cpu_linear.py ``on_huge_pages``); the same weights copied onto torch's allocator (4 KB
+pages, unless the kernel's THP setting is ``always``) are timed in the same rounds, and it prints
+what huge pages save. ``--pages-steps N`` measures the same in the engine, N pairs of decode
+steps at each of ``--pages-batches``, the model's packed weights swapped between the two copies.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from unittest import mock
 
 import torch
 
+from kernels.interface import WEIGHT_HUGE_PAGES_ENV, weight_huge_pages
 from replica.bench.peak import SMOLLM2_LINEARS
 from replica.bench.timing import random_prompts, set_threads
 
@@ -48,11 +55,19 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--ahead-batch", type=int, default=64, help="sequences decoding in --ahead-steps"
     )
+    parser.add_argument(
+        "--pages-steps", type=int, default=0,
+        help="decode-step pairs, our GEMMs' weights on huge pages vs 4 KB pages (0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pages-batches", default="1,4,8,64", help="sequences decoding in --pages-steps, each"
+    )
 
 
 def _weights(mode: str, layers: int, gen: torch.Generator, dtype: torch.dtype) -> dict[str, list]:
     """Each SmolLM2 shape's weights (``layers`` copies; one LM head) packed for ``mode``:
-    ``onednn``, the pair GEMM's ``pairs`` / ``emulated`` (bfloat16) or ``panels`` (float32)."""
+    ``onednn``, the pair GEMM's ``pairs`` / ``emulated`` (bfloat16) or ``panels`` (float32);
+    our own GEMMs' on huge pages where the engine puts them (``PREFIXMESH_WEIGHT_HUGE_PAGES``)."""
     from kernels import cpu_linear
 
     def pack(weight: torch.Tensor):
@@ -68,6 +83,8 @@ def _weights(mode: str, layers: int, gen: torch.Generator, dtype: torch.dtype) -
         packed[name] = [
             pack((torch.randn(n, k, generator=gen) * 0.05).to(dtype)) for _ in range(copies)
         ]
+        if weight_huge_pages():
+            cpu_linear.on_huge_pages(packed[name])
     return packed
 
 
@@ -86,6 +103,12 @@ def _time_model(weights: dict[str, list], rows: int, dtype: torch.dtype) -> dict
 
 
 NO_AHEAD = "panels_not_ahead"  # the panel GEMM with set_panel_ahead(False)
+SMALL_PAGES = "own_small_pages"  # our GEMM's weights copied onto torch's allocator
+
+
+def _on_small_pages(weights: dict[str, list]) -> dict[str, list]:
+    """Copies of our own GEMM's packed weights on torch's allocator (4 KB pages)."""
+    return {name: [w._replace(packed=w.packed.clone()) for w in ws] for name, ws in weights.items()}
 
 
 def _best_times(ops, arms: dict[str, dict], row_counts: list[int], rounds: int, dtype) -> dict:
@@ -137,24 +160,40 @@ def run(args) -> dict:
     row_counts = [int(r) for r in args.rows.split(",")]
     # In float32 the panel GEMM also runs without asking for its next panels ahead, on the same
     # weights: what that saves (kernels/csrc/panel_gemm.cpp).
-    arms = {**modes, NO_AHEAD: modes["panels"]} if own_name == "panels" else modes
+    arms = {**modes, NO_AHEAD: modes["panels"]} if own_name == "panels" else dict(modes)
+    if weight_huge_pages():  # the same weights on 4 KB pages: what huge pages save
+        arms[SMALL_PAGES] = _on_small_pages(modes[own_name])
     best = _best_times(ops, arms, row_counts, args.rounds, dtype)
     result = {
         "threads": threads,
         "dtype": args.dtype,
         "own_path": own_mode,
         "layers": args.layers,
-        "gemm": [],
     }
     print(
         f"best of {args.rounds} rounds, {args.layers} layers' weights + one LM head, {args.dtype}:"
     )
+    result["gemm"] = _table(best, arms, own_name, row_counts, args.layers, dtype)
+    if args.engine_rounds:
+        result["engine"] = _engines(args, own_mode, args.dtype)
+    if args.ahead_steps and NO_AHEAD in arms:
+        result["ahead_steps"] = _ahead_steps(args, ops)
+    if args.pages_steps:
+        result["pages_steps"] = _pages_steps(args)
+    return result
+
+
+def _table(best: dict, arms: dict, own_name: str, row_counts: list[int], layers: int, dtype):
+    """One line a row count from ``_best_times``: each arm's milliseconds, GB/s and GFLOP/s for
+    the whole model, our GEMM's speed-up over oneDNN, and what asking ahead and huge pages
+    save; printed, and returned."""
+    lines = []
     print(f"  {'rows':>5}  {'oneDNN ms':>9}  {'GB/s':>5}  {'GFLOP/s':>7}  {own_name + ' ms':>9}  "
           f"{'GB/s':>5}  {'GFLOP/s':>7}  {'speed-up':>8}"
-          + (f"  {'not ahead ms':>12}  {'ahead saves':>11}" if NO_AHEAD in arms else ""))  # fmt: skip
+          + (f"  {'not ahead ms':>12}  {'ahead saves':>11}" if NO_AHEAD in arms else "")
+          + (f"  {'4 KB pages ms':>13}  {'huge saves':>10}" if SMALL_PAGES in arms else ""))  # fmt: skip
     elements = sum(
-        n * k * (1 if name == "lm_head" else args.layers)
-        for name, (n, k) in SMOLLM2_LINEARS.items()
+        n * k * (1 if name == "lm_head" else layers) for name, (n, k) in SMOLLM2_LINEARS.items()
     )
     for rows in row_counts:
         line: dict = {"rows": rows}
@@ -166,61 +205,111 @@ def run(args) -> dict:
                 "gflops": 2 * rows * elements / secs / 1e9,
             }
         line["speedup"] = line["onednn"]["ms"] / line[own_name]["ms"]
-        result["gemm"].append(line)
+        lines.append(line)
         a, b = line["onednn"], line[own_name]
         text = (f"  {rows:>5}  {a['ms']:>9.2f}  {a['gb_s']:>5.1f}  {a['gflops']:>7.0f}  "
                 f"{b['ms']:>9.2f}  {b['gb_s']:>5.1f}  {b['gflops']:>7.0f}  {line['speedup']:>7.2f}x")  # fmt: skip
         if NO_AHEAD in arms:
             line["ahead_speedup"] = line[NO_AHEAD]["ms"] / b["ms"]
             text += f"  {line[NO_AHEAD]['ms']:>12.2f}  {line['ahead_speedup']:>10.2f}x"
+        if SMALL_PAGES in arms:
+            line["huge_pages_speedup"] = line[SMALL_PAGES]["ms"] / b["ms"]
+            text += f"  {line[SMALL_PAGES]['ms']:>13.2f}  {line['huge_pages_speedup']:>9.2f}x"
         print(text)
-    if args.engine_rounds:
-        result["engine"] = _engines(args, own_mode, args.dtype)
-    if args.ahead_steps and NO_AHEAD in arms:
-        result["ahead_steps"] = _ahead_steps(args, ops)
-    return result
+    return lines
+
+
+def _step_pairs(engine, batch: int, pairs: int, arms: dict) -> dict[str, list[float]]:
+    """Milliseconds of ``pairs`` pairs of single decode steps of ``batch`` sequences: each pair
+    runs both ``arms`` (name -> a call that sets the engine up for it), in turn first."""
+    from replica.bench.breakdown import start_decoding
+
+    prompts = random_prompts(batch, 200, engine.model_config.vocab_size, seed=7)
+    start_decoding(engine, prompts, max_tokens=2 * pairs + 8)
+    names = list(arms)
+    ms: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        for pair in range(pairs):
+            for name in names if pair % 2 == 0 else names[::-1]:
+                arms[name]()
+                start = time.perf_counter()
+                engine.step()
+                ms[name].append(1000 * (time.perf_counter() - start))
+    finally:
+        engine.abort_all()
+    return ms
+
+
+def _print_pairs(what: str, ms: dict[str, list[float]]) -> None:
+    import statistics
+
+    (a, first), (b, second) = ms.items()
+    on, off = statistics.median(first), statistics.median(second)
+    wins = sum(x < y for x, y in zip(first, second))
+    print(
+        f"engine, {len(first)} pairs of decode steps ({what}): median {on:.2f} ms {a}, "
+        f"{off:.2f} ms {b} ({off / on:.3f}x); faster in {wins} of {len(first)} pairs"
+    )
 
 
 def _ahead_steps(args, ops) -> dict:
     """Decode steps of ``--ahead-batch`` sequences with the panel GEMM asking ahead and not,
     in pairs."""
-    import statistics
-
     from kernels import cpu_linear
-    from replica.bench.breakdown import start_decoding
     from replica.bench.timing import make_llm
 
     # The panel GEMM even where float32 runs on oneDNN by default (AVX-512 builds).
     with mock.patch.dict(os.environ, {cpu_linear.F32_GEMM_ENV: "panels"}):
         llm = make_llm(args, dtype="float32", max_num_seqs=256)
-    engine = llm.engine
-    prompts = random_prompts(args.ahead_batch, 200, engine.model_config.vocab_size, seed=7)
-    start_decoding(engine, prompts, max_tokens=2 * args.ahead_steps + 8)
-    ms: dict[bool, list[float]] = {True: [], False: []}
+    arms = {
+        "asking ahead": lambda: ops.set_panel_ahead(True),
+        "not": lambda: ops.set_panel_ahead(False),
+    }
     try:
-        for pair in range(args.ahead_steps):
-            for ahead in (True, False) if pair % 2 == 0 else (False, True):
-                ops.set_panel_ahead(ahead)
-                start = time.perf_counter()
-                engine.step()
-                ms[ahead].append(1000 * (time.perf_counter() - start))
+        ms = _step_pairs(llm.engine, args.ahead_batch, args.ahead_steps, arms)
     finally:
         ops.set_panel_ahead(True)
-        engine.abort_all()
-    on, off = statistics.median(ms[True]), statistics.median(ms[False])
-    wins = sum(a < b for a, b in zip(ms[True], ms[False]))
-    print(
-        f"engine, {args.ahead_steps} pairs of decode steps ({args.ahead_batch} sequences, "
-        f"float32): median "
-        f"{on:.1f} ms asking ahead, {off:.1f} ms not ({off / on:.3f}x); faster in "
-        f"{wins} of {args.ahead_steps} pairs"
-    )
+    _print_pairs(f"{args.ahead_batch} sequences, float32", ms)
     return {
         "pairs": args.ahead_steps,
         "batch": args.ahead_batch,
-        "ahead_ms": ms[True],
-        "not_ahead_ms": ms[False],
+        "ahead_ms": ms["asking ahead"],
+        "not_ahead_ms": ms["not"],
     }
+
+
+def _pages_steps(args) -> list[dict]:
+    """Decode steps at each of ``--pages-batches`` with the model's packed weights on huge
+    pages and on 4 KB pages, in pairs (the engine as it runs here, ``--dtype``)."""
+    from kernels.cpu_linear import PairPacked, PanelPacked
+    from replica.bench.timing import make_llm
+    from replica.model import GEMM_WEIGHTS
+
+    with mock.patch.dict(os.environ, {WEIGHT_HUGE_PAGES_ENV: "1"}):
+        llm = make_llm(args, max_num_seqs=256)
+    model = llm.engine.runner.model
+    slots = [(layer, name) for layer in model.layers for name in GEMM_WEIGHTS]
+    huge = [layer[name] for layer, name in slots] + [model.lm_head]
+    if not any(isinstance(w, (PanelPacked, PairPacked)) for w in huge):
+        print("engine: no weights of our own GEMMs here (oneDNN's), nothing on huge pages")
+        return []
+    small = [w._replace(packed=w.packed.clone()) if hasattr(w, "packed") else w for w in huge]
+
+    def use(weights: list) -> None:
+        for (layer, name), weight in zip(slots, weights):
+            layer[name] = weight
+        model.lm_head = weights[-1]
+
+    arms = {"on huge pages": lambda: use(huge), "on 4 KB pages": lambda: use(small)}
+    rows = []
+    for batch in (int(b) for b in args.pages_batches.split(",")):
+        ms = _step_pairs(llm.engine, batch, args.pages_steps, arms)
+        _print_pairs(f"{batch} sequences, {model.dtype}".replace("torch.", ""), ms)
+        rows.append(
+            {"batch": batch, "huge_ms": ms["on huge pages"], "small_ms": ms["on 4 KB pages"]}
+        )
+    use(huge)
+    return rows
 
 
 def _engines(args, own_mode: str, dtype: str) -> list[dict]:
@@ -233,9 +322,8 @@ def _engines(args, own_mode: str, dtype: str) -> list[dict]:
     env = cpu_linear.F32_GEMM_ENV if dtype == "float32" else cpu_linear.GEMM_ENV
     llms = {}
     for mode in ("onednn", own_mode):
-        os.environ[env] = mode
-        llms[mode] = make_llm(args, dtype=dtype, max_num_seqs=256)
-    del os.environ[env]
+        with mock.patch.dict(os.environ, {env: mode}):
+            llms[mode] = make_llm(args, dtype=dtype, max_num_seqs=256)
     rows = []
     for r in range(args.engine_rounds):
         for mode, llm in llms.items():
