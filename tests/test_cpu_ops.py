@@ -378,45 +378,40 @@ def test_a_kernel_that_refuses_the_huge_page_advice_gets_plain_zeros(monkeypatch
     assert made and made[0].closed
 
 
-@pytest.mark.skipif(not THP, reason="needs a Linux kernel with transparent huge pages")
-def test_the_engine_puts_its_cpu_kv_pool_on_huge_pages_unless_told_not_to(
-    tiny_model_dir, monkeypatch
-):
-    from replica import LLM, SamplingParams
+def _kv_pool(llm) -> list[int]:
+    return [cache.data_ptr() for pair in llm.engine.runner.kv_caches for cache in pair]
 
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompts = [[5, 9, 11, 200, 7], list(range(40, 75))]
-    outputs = {}
-    for setting in ("1", "0"):
-        monkeypatch.setenv(HUGE_PAGES_ENV, setting)
-        llm = LLM(str(tiny_model_dir), dtype="float32")
-        for k_cache, v_cache in llm.engine.runner.kv_caches:
-            for cache in (k_cache, v_cache):
-                assert ("hg" in _vm_flags(cache.data_ptr())) == (setting == "1")
-        outputs[setting] = [out.token_ids for out in llm.generate(prompts, params)]
-    assert outputs["1"] == outputs["0"]
+
+def _packed_weights(llm) -> list[int]:
+    from kernels import cpu_linear
+    from replica.model import GEMM_WEIGHTS
+
+    # (The LM head stays oneDNN's: the tiny vocabulary is no multiple of a panel.)
+    layers = llm.engine.runner.model.layers
+    weights = [layer[name] for layer in layers for name in GEMM_WEIGHTS]
+    assert all(isinstance(weight, cpu_linear.PanelPacked) for weight in weights)
+    return [weight.packed.data_ptr() for weight in weights]
 
 
 @pytest.mark.skipif(not THP, reason="needs a Linux kernel with transparent huge pages")
-def test_the_engine_puts_its_packed_weights_on_huge_pages_unless_told_not_to(
-    tiny_model_dir, monkeypatch
+@pytest.mark.parametrize(
+    "env, addresses", [(HUGE_PAGES_ENV, _kv_pool), (WEIGHT_HUGE_PAGES_ENV, _packed_weights)]
+)
+def test_the_engine_puts_its_kv_pool_and_weights_on_huge_pages_unless_told_not_to(
+    env, addresses, tiny_model_dir, monkeypatch
 ):
     from kernels import cpu_linear
     from replica import LLM, SamplingParams
-    from replica.model import GEMM_WEIGHTS
 
-    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "panels")  # our own GEMM on any build
+    monkeypatch.setenv(cpu_linear.F32_GEMM_ENV, "panels")  # our own GEMM's weights, any build
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 9, 11, 200, 7], list(range(40, 75))]
     outputs = {}
     for setting in ("1", "0"):
-        monkeypatch.setenv(WEIGHT_HUGE_PAGES_ENV, setting)
+        monkeypatch.setenv(env, setting)
         llm = LLM(str(tiny_model_dir), dtype="float32")
-        model = llm.engine.runner.model
-        # (The LM head stays oneDNN's: the tiny vocabulary is no multiple of a panel.)
-        for weight in [layer[name] for layer in model.layers for name in GEMM_WEIGHTS]:
-            assert isinstance(weight, cpu_linear.PanelPacked)
-            assert ("hg" in _vm_flags(weight.packed.data_ptr())) == (setting == "1")
+        for address in addresses(llm):
+            assert ("hg" in _vm_flags(address)) == (setting == "1")
         outputs[setting] = [out.token_ids for out in llm.generate(prompts, params)]
     assert outputs["1"] == outputs["0"]
 
