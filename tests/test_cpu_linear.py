@@ -139,7 +139,7 @@ def test_pair_gemm_matches_the_float64_product(mode, with_bias, rows, out_in):
 
 def _same_bits_in_any_batch_and_thread_count(x: torch.Tensor, packed) -> None:
     full = cpu_linear.linear(x, packed)
-    for a, b in [(0, 1), (3, 11), (9, 70), (69, 70), (0, 64)]:
+    for a, b in [(0, 1), (3, 8), (10, 16), (3, 11), (9, 70), (69, 70), (0, 64)]:
         assert torch.equal(cpu_linear.linear(x[a:b], packed), full[a:b]), (a, b)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -255,8 +255,9 @@ def _panels(weight: torch.Tensor, build: str) -> cpu_linear.PanelPacked:
 
 @pytest.mark.parametrize("build", PANEL_BUILDS)
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 64])
-# Items of 1, 2 and 3 blocks (5 blocks: items of one), and SmolLM2's qkv.
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 9, 13, 64])
+# Items of 1, 2 and 3 blocks (5 blocks: items of one), and SmolLM2's qkv; 5 and 6 rows in one
+# pass where the blocks pair up (AVX2).
 @pytest.mark.parametrize("blocks_in", [(1, 3), (2, 96), (3, 96), (5, 34), (0, 576)])
 def test_panel_gemm_matches_the_float64_product(build, with_bias, rows, blocks_in):
     from kernels import cpu_ops

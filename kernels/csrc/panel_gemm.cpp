@@ -49,6 +49,21 @@ constexpr int MR = 4;
 #endif
 constexpr int NT_MAX = 3;
 
+// Calls of MR + 1 to ONE_PASS_MAX_ROWS rows take all their rows in one tile per item, of 2
+// panels (6 x 2 accumulators + 2 weights + a broadcast fit AVX2's 16 registers), instead of a
+// tile of MR rows on 3 panels and a second tile for the rest. A few rows are bound by the
+// weights' read from memory, and the second tile read the panels again, from the L2, after the
+// first had waited on memory for them: now each panel is read once. Measured on AVX2
+// (docs/benchmarks.md, "Five and six rows in one pass"), 30 layers' weights read cold: 5 rows
+// 1.08-1.16x, 6 rows 1.09-1.11x; at 7-8 rows only one panel fits the registers, and items of
+// one panel streamed slower (0.89-0.97x). Not measured on AVX-512 (where MR is 8), so only the
+// AVX2 build does this.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int ONE_PASS_MAX_ROWS = 6;
+#else
+constexpr int ONE_PASS_MAX_ROWS = 0;
+#endif
+
 // Calls of fewer rows than this do not ask for the next item's panels: with few rows an item
 // computes for less time than the next one's read from memory takes, it is bound by its own
 // reads, and the next item's compete with them. Measured on AVX2 (docs/benchmarks.md, "Panels
@@ -140,6 +155,20 @@ void item(const float* x, int64_t x_stride, int64_t M, int64_t K, const float* p
   if (m < M) tail<NT>(M - m, x + m * x_stride, x_stride, K, w, b, out + m * N + n0, N, ahead);
 }
 
+// Every one of the call's R = M rows in one tile per item of 2 blocks (see ONE_PASS_MAX_ROWS).
+template <int R = MR + 1>
+void one_pass(int64_t M, const float* x, int64_t xs, int64_t K, const float* panels,
+              const float* bias, float* out, int64_t N, int64_t blocks) {
+  if constexpr (R <= ONE_PASS_MAX_ROWS) {
+    if (M != R) return one_pass<R + 1>(M, x, xs, K, panels, bias, out, N, blocks);
+    at::parallel_for(0, blocks / 2, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        tile<R, 2>(x, xs, K, panels + 2 * i * K * W, bias ? bias + 2 * i * W : nullptr,
+                   out + 2 * i * W, N, Ahead());
+    });
+  }
+}
+
 }  // namespace
 
 int64_t panel_width() { return W; }
@@ -185,6 +214,10 @@ at::Tensor panels_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tens
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
+  if (M > MR && M <= ONE_PASS_MAX_ROWS && blocks % 2 == 0) {
+    one_pass(M, xp, xs, K, wp, b, op, N, blocks);
+    return out;
+  }
   const int NT = blocks_per_item(blocks);
   const bool ahead = g_ahead.load(std::memory_order_relaxed);
   at::parallel_for(0, blocks / NT, 1, [&](int64_t i0, int64_t i1) {
