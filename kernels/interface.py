@@ -111,8 +111,8 @@ def huge_page_zeros(
     rows cost TLB misses, which huge pages take away (docs/benchmarks.md: 10-17% off the
     kernel on a 2-core Zen 3 VM). Every page is touched here, so that none faults in later
     inside a step; ``prefault=False`` leaves that to a caller about to fill the tensor (the
-    memory is zero either way). Where ``mmap`` cannot advise (not Linux, or a kernel built without THP,
-    which refuses the advice), ``torch.zeros``."""
+    memory is zero either way). Where ``mmap`` cannot advise (not Linux, or a kernel built
+    without THP, which refuses the advice), ``torch.zeros``."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)

@@ -19,11 +19,12 @@ ahead saves. ``--ahead-steps N`` measures the same in the engine: ``--ahead-batc
 alternate because this machine's speed drifts by more than the difference over the seconds a
 round of several steps takes.
 
-Our own GEMMs' weights sit on huge pages, as the engine puts them (``PREFIXMESH_WEIGHT_HUGE_PAGES``,
-kernels/cpu_linear.py ``on_huge_pages``); the same weights copied onto torch's allocator (4 KB
-pages, unless the kernel's THP setting is ``always``) are timed in the same rounds, and it prints
-what huge pages save. ``--pages-steps N`` measures the same in the engine, N pairs of decode
-steps at each of ``--pages-batches``, the model's packed weights swapped between the two copies.
+Our own GEMMs' weights sit on huge pages, as the engine puts them
+(``PREFIXMESH_WEIGHT_HUGE_PAGES``, kernels/cpu_linear.py ``on_huge_pages``); the same weights
+copied onto torch's allocator (4 KB pages, unless the kernel's THP setting is ``always``) are
+timed in the same rounds, and it prints what huge pages save. ``--pages-steps N`` measures
+the same in the engine: N pairs of decode steps at each of ``--pages-batches``, the model's
+packed weights swapped between the two copies.
 """
 
 from __future__ import annotations
