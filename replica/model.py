@@ -101,16 +101,24 @@ class LlamaModel:
         self.cos_half = freqs.cos().contiguous()
         self.sin_half = freqs.sin().contiguous()
 
+    def gemm_weights(self) -> list:
+        """Every layer's packed matmul weights (in ``GEMM_WEIGHTS`` order), then the LM head."""
+        return [layer[name] for layer in self.layers for name in GEMM_WEIGHTS] + [self.lm_head]
+
+    def set_gemm_weights(self, weights: list) -> None:
+        """Puts ``weights``, listed as ``gemm_weights`` lists them, in their places."""
+        given = iter(weights)
+        for layer in self.layers:
+            for name in GEMM_WEIGHTS:
+                layer[name] = next(given)
+        self.lm_head = next(given)
+
     def _weights_on_huge_pages(self) -> None:
-        """The matmuls' packed weights moved onto huge pages (``cpu_linear.on_huge_pages``),
-        taken out of the layers first so that each original is freed once copied."""
-        slots = [(layer, name) for layer in self.layers for name in GEMM_WEIGHTS]
-        weights = [layer.pop(name) for layer, name in slots] + [self.lm_head]
-        del self.lm_head
-        weights = cpu_linear.on_huge_pages(weights)
-        for (layer, name), weight in zip(slots, weights):
-            layer[name] = weight
-        self.lm_head = weights[-1]
+        """The matmuls' packed weights moved onto huge pages (``cpu_linear.on_huge_pages``).
+        The model lets go of them first, so that each original is freed once copied."""
+        weights = self.gemm_weights()
+        self.set_gemm_weights([None] * len(weights))
+        self.set_gemm_weights(cpu_linear.on_huge_pages(weights))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalize in float32, cast back, then scale: Hugging Face's order (bit for bit in

@@ -384,11 +384,9 @@ def _kv_pool(llm) -> list[int]:
 
 def _packed_weights(llm) -> list[int]:
     from kernels import cpu_linear
-    from replica.model import GEMM_WEIGHTS
 
     # (The LM head stays oneDNN's: the tiny vocabulary is no multiple of a panel.)
-    layers = llm.engine.runner.model.layers
-    weights = [layer[name] for layer in layers for name in GEMM_WEIGHTS]
+    weights = llm.engine.runner.model.gemm_weights()[:-1]
     assert all(isinstance(weight, cpu_linear.PanelPacked) for weight in weights)
     return [weight.packed.data_ptr() for weight in weights]
 

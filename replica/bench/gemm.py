@@ -107,9 +107,14 @@ NO_AHEAD = "panels_not_ahead"  # the panel GEMM with set_panel_ahead(False)
 SMALL_PAGES = "own_small_pages"  # our GEMM's weights copied onto torch's allocator
 
 
-def _on_small_pages(weights: dict[str, list]) -> dict[str, list]:
-    """Copies of our own GEMM's packed weights on torch's allocator (4 KB pages)."""
-    return {name: [w._replace(packed=w.packed.clone()) for w in ws] for name, ws in weights.items()}
+def _on_small_pages(weight):
+    """A copy of a weight packed for our own GEMM on torch's allocator (4 KB pages); any
+    other weight as it is."""
+    from kernels.cpu_linear import PairPacked, PanelPacked
+
+    if isinstance(weight, (PanelPacked, PairPacked)):
+        return weight._replace(packed=weight.packed.clone())
+    return weight
 
 
 def _best_times(ops, arms: dict[str, dict], row_counts: list[int], rounds: int, dtype) -> dict:
@@ -163,7 +168,7 @@ def run(args) -> dict:
     # weights: what that saves (kernels/csrc/panel_gemm.cpp).
     arms = {**modes, NO_AHEAD: modes["panels"]} if own_name == "panels" else dict(modes)
     if weight_huge_pages():  # the same weights on 4 KB pages: what huge pages save
-        arms[SMALL_PAGES] = _on_small_pages(modes[own_name])
+        arms[SMALL_PAGES] = {n: list(map(_on_small_pages, ws)) for n, ws in modes[own_name].items()}
     best = _best_times(ops, arms, row_counts, args.rounds, dtype)
     result = {
         "threads": threads,
@@ -282,26 +287,20 @@ def _ahead_steps(args, ops) -> dict:
 def _pages_steps(args) -> list[dict]:
     """Decode steps at each of ``--pages-batches`` with the model's packed weights on huge
     pages and on 4 KB pages, in pairs (the engine as it runs here, ``--dtype``)."""
-    from kernels.cpu_linear import PairPacked, PanelPacked
     from replica.bench.timing import make_llm
-    from replica.model import GEMM_WEIGHTS
 
     with mock.patch.dict(os.environ, {WEIGHT_HUGE_PAGES_ENV: "1"}):
         llm = make_llm(args, max_num_seqs=256)
     model = llm.engine.runner.model
-    slots = [(layer, name) for layer in model.layers for name in GEMM_WEIGHTS]
-    huge = [layer[name] for layer, name in slots] + [model.lm_head]
-    if not any(isinstance(w, (PanelPacked, PairPacked)) for w in huge):
+    huge = model.gemm_weights()
+    small = [_on_small_pages(weight) for weight in huge]
+    if all(a is b for a, b in zip(huge, small)):
         print("engine: no weights of our own GEMMs here (oneDNN's), nothing on huge pages")
         return []
-    small = [w._replace(packed=w.packed.clone()) if hasattr(w, "packed") else w for w in huge]
-
-    def use(weights: list) -> None:
-        for (layer, name), weight in zip(slots, weights):
-            layer[name] = weight
-        model.lm_head = weights[-1]
-
-    arms = {"on huge pages": lambda: use(huge), "on 4 KB pages": lambda: use(small)}
+    arms = {
+        "on huge pages": lambda: model.set_gemm_weights(huge),
+        "on 4 KB pages": lambda: model.set_gemm_weights(small),
+    }
     rows = []
     for batch in (int(b) for b in args.pages_batches.split(",")):
         ms = _step_pairs(llm.engine, batch, args.pages_steps, arms)
@@ -309,7 +308,7 @@ def _pages_steps(args) -> list[dict]:
         rows.append(
             {"batch": batch, "huge_ms": ms["on huge pages"], "small_ms": ms["on 4 KB pages"]}
         )
-    use(huge)
+    model.set_gemm_weights(huge)
     return rows
 
 
