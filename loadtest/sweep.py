@@ -7,7 +7,10 @@ requests are spread evenly over the trace, each under every step model and seed 
 prints one row per window: its capacity-aware ceiling, the achieved hit rate over it (mean
 and worst run, and how many runs fell below ``--floor``), the worst max/mean requests per
 replica, the largest share of blocks lost to each miss kind, and the median run's TTFT p50.
-The other flags are ``python -m loadtest.simulate``'s (workload, cluster, policy flags).
+A last row sums up all windows (``summarize``): the mean of the windows' means, the worst run,
+the runs below the floor, the worst max/mean, and the geometric mean of the windows' TTFT p50s,
+the numbers by which docs/benchmarks.md compares policies. The other flags are ``python -m
+loadtest.simulate``'s (workload, cluster, policy flags).
 
 ```bash
 python -m loadtest.sweep --trace ../shared/data/traces/synthetic_trace.jsonl \
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -74,6 +78,22 @@ class WindowResult:
             "ttft_p50_s": round(self.ttft, 3),
             **{k: round(v, 4) for k, v in self.worst_miss_share.items()},
         }
+
+
+def summarize(results: list[WindowResult], floor: float) -> dict[str, float | str]:
+    """Every window at once: windows weigh the same whatever their runs, and the TTFT is the
+    geometric mean of the windows' (their medians differ by orders of magnitude between a
+    closed loop and an overloaded window)."""
+    return {
+        "window": "all",
+        "windows": len(results),
+        "mean": round(sum(r.mean for r in results) / len(results), 4),
+        "worst": round(min(min(r.achieved) for r in results), 3),
+        "below_floor": sum(r.below(floor) for r in results),
+        "runs": sum(len(r.achieved) for r in results),
+        "worst_skew": round(max(r.worst_skew for r in results), 3),
+        "ttft_p50_s": round(math.exp(statistics.fmean(math.log(r.ttft) for r in results)), 3),
+    }
 
 
 def window_starts(timestamps_ms: list[float], windows: int) -> list[tuple[int, float]]:
@@ -160,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         for r in results:
             print(json.dumps(r.row(args.floor)))
+        print(json.dumps(summarize(results, args.floor)))
     else:
         _print_table(results, args.floor)
     return 0
@@ -177,6 +198,10 @@ def _print_table(results: list[WindowResult], floor: float) -> None:
               f"{100 * r.capacity_ceiling:.1f}% | {r.mean:.3f} | {min(r.achieved):.3f} | "
               f"{r.below(floor)} of {len(r.achieved)} | {r.worst_skew:.2f} | {misses} | "
               f"{r.ttft:.2f} s |")  # fmt: skip
+    a = summarize(results, floor)
+    print(f"| all {a['windows']} windows | | | **{a['mean']:.3f}** | {a['worst']:.3f} | "
+          f"{a['below_floor']} of {a['runs']} | {a['worst_skew']:.2f} | | "
+          f"{a['ttft_p50_s']:.2f} s (geometric mean) |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def test_step_models_parse() -> None:
 
 def test_each_window_is_the_simulation_of_that_slice_of_the_trace(capsys) -> None:
     sweep.main([*FLAGS, "--windows", "2", "--seeds", "0", "--step-models", "20:2:10", "--json"])
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    *rows, everything = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     trace = read_trace(SAMPLE_TRACE)
     assert [r["first_request"] for r in rows] == [0, len(trace) // 2]
     assert all(r["requests"] == 50 and r["runs"] == 1 for r in rows)
@@ -49,3 +49,21 @@ def test_each_window_is_the_simulation_of_that_slice_of_the_trace(capsys) -> Non
     assert rows[1]["worst"] == pytest.approx(alone["of_capacity_ceiling"], abs=1e-3)
     assert rows[1]["worst_skew"] == pytest.approx(alone["max/mean requests"], abs=1e-3)
     assert rows[1]["ttft_p50_s"] == pytest.approx(alone["ttft_p50_s"], abs=0.01)
+    # The last line sums the windows up.
+    assert everything["window"] == "all" and everything["windows"] == 2
+    assert everything["mean"] == pytest.approx((rows[0]["mean"] + rows[1]["mean"]) / 2, abs=1e-3)
+    assert everything["worst"] == min(r["worst"] for r in rows)
+    assert everything["worst_skew"] == max(r["worst_skew"] for r in rows)
+
+
+def _window(achieved: list[float], skew: float, ttft: float) -> sweep.WindowResult:
+    return sweep.WindowResult(0.0, 0, 10, 0.5, achieved, skew, {}, [ttft] * len(achieved))
+
+
+def test_the_summary_weighs_windows_alike_and_takes_the_geometric_mean_ttft() -> None:
+    results = [_window([0.8, 1.0, 1.0, 1.0], 1.1, 0.1), _window([0.95, 0.95], 1.25, 10.0)]
+    summary = sweep.summarize(results, floor=0.9)
+    assert summary["mean"] == pytest.approx((0.95 + 0.95) / 2)  # not the mean of the six runs
+    assert summary["worst"] == 0.8 and summary["below_floor"] == 1 and summary["runs"] == 6
+    assert summary["worst_skew"] == 1.25
+    assert summary["ttft_p50_s"] == pytest.approx(1.0)  # sqrt(0.1 * 10)
