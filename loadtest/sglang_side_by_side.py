@@ -16,7 +16,10 @@ first the replicas' LRU evicts. sglang-router starts fresh for its run (an empty
 without the salt (it may drop the field), its prompts match no block of the other run.
 
 Results: ``--out/<router>/`` (the load tester's files) and ``--out/side_by_side.json``; a
-markdown table is printed.
+markdown table is printed, then how many requests the hit rates differ on (``differing``): both
+routers replay the same requests, so request by request their cached tokens say whether a gap
+is spread over the workload or made by a few returning conversations whose prefix survived
+eviction under one placement and not the other.
 """
 
 from __future__ import annotations
@@ -229,6 +232,35 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def differing(a: list[dict], b: list[dict]) -> dict:
+    """Requests (the load tester's ``requests.jsonl`` rows, matched by index) whose cached
+    tokens differ between two runs of the same workload: how many, the net difference (a's
+    cached tokens less b's) and the share of the absolute difference that the five largest
+    carry."""
+    cached_b = {r["index"]: r.get("cached_tokens") or 0 for r in b}
+    gaps = sorted(
+        (
+            (r.get("cached_tokens") or 0) - cached_b[r["index"]]
+            for r in a
+            if r["index"] in cached_b and (r.get("cached_tokens") or 0) != cached_b[r["index"]]
+        ),
+        key=abs,
+        reverse=True,
+    )
+    total = sum(abs(g) for g in gaps)
+    return {
+        "requests": len(cached_b.keys() & {r["index"] for r in a}),
+        "differ": len(gaps),
+        "net_cached_tokens": sum(gaps),
+        "top5_share": sum(abs(g) for g in gaps[:5]) / total if total else 0.0,
+    }
+
+
+def _read_requests(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.sglang_side_by_side",
@@ -300,6 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
     (args.out / "side_by_side.json").write_text(json.dumps(rows, indent=2))
     print(markdown(rows))
+    if len(order) == 2:
+        first, second = (_read_requests(args.out / name / "requests.jsonl") for name in order)
+        d = differing(first, second)
+        print(
+            f"cached tokens differ on {d['differ']} of {d['requests']} requests "
+            f"({order[0]} less {order[1]}: {d['net_cached_tokens']:+,} tokens; the five "
+            f"largest differences carry {100 * d['top5_share']:.0f}% of them)"
+        )
+        (args.out / "differing.json").write_text(json.dumps(d, indent=2))
     return 0
 
 

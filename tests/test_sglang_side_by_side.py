@@ -44,3 +44,19 @@ def test_the_report_counts_fetched_tokens_from_the_replicas_usage() -> None:
     cells = [c.strip() for c in table[2].strip("|").split("|")]
     assert len(header) == len(cells) == table[1].count("---")
     assert dict(zip(header, cells))["fetched tokens"] == "48"
+
+
+def test_requests_whose_cached_tokens_differ_between_the_two_runs() -> None:
+    def run(cached: list[int]) -> list[dict]:
+        return [{"index": i, "cached_tokens": c} for i, c in enumerate(cached)]
+
+    a = run([0, 64, 1200, 32, 0, 16, 16, 16, 16])
+    b = run([0, 64, 0, 48, 0, 0, 0, 0, 0])
+    d = sbs.differing(a, b)
+    assert d["requests"] == 9 and d["differ"] == 6
+    assert d["net_cached_tokens"] == 1200 - 16 + 4 * 16
+    # The five largest: 1200, 16, 16, 16, 16 of 1200 + 16 + 4 * 16 in all.
+    assert d["top5_share"] == (1200 + 4 * 16) / (1200 + 16 + 4 * 16)
+    assert sbs.differing(a, a)["differ"] == 0 and sbs.differing(a, a)["top5_share"] == 0.0
+    # A request the other run lacks (a failed one, say) is left out, not counted as a gap.
+    assert sbs.differing(a, b[:3])["requests"] == 3
