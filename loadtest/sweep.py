@@ -83,7 +83,9 @@ class WindowResult:
 def summarize(results: list[WindowResult], floor: float) -> dict[str, float | str]:
     """Every window at once: windows weigh the same whatever their runs, and the TTFT is the
     geometric mean of the windows' (their medians differ by orders of magnitude between a
-    closed loop and an overloaded window)."""
+    closed loop and an overloaded window; a window that served nothing reads 0 and is left
+    out of it)."""
+    ttfts = [r.ttft for r in results if r.ttft > 0]
     return {
         "window": "all",
         "windows": len(results),
@@ -92,7 +94,7 @@ def summarize(results: list[WindowResult], floor: float) -> dict[str, float | st
         "below_floor": sum(r.below(floor) for r in results),
         "runs": sum(len(r.achieved) for r in results),
         "worst_skew": round(max(r.worst_skew for r in results), 3),
-        "ttft_p50_s": round(math.exp(statistics.fmean(math.log(r.ttft) for r in results)), 3),
+        "ttft_p50_s": round(math.exp(statistics.fmean(map(math.log, ttfts))), 3) if ttfts else 0.0,
     }
 
 

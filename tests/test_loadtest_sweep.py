@@ -67,3 +67,4 @@ def test_the_summary_weighs_windows_alike_and_takes_the_geometric_mean_ttft() ->
     assert summary["worst"] == 0.8 and summary["below_floor"] == 1 and summary["runs"] == 6
     assert summary["worst_skew"] == 1.25
     assert summary["ttft_p50_s"] == pytest.approx(1.0)  # sqrt(0.1 * 10)
+    assert sweep.summarize([_window([1.0], 1.0, 0.0)], floor=0.9)["ttft_p50_s"] == 0.0
