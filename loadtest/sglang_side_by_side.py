@@ -34,6 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from loadtest.results import read_requests
 from prefixmesh.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,9 +257,17 @@ def differing(a: list[dict], b: list[dict]) -> dict:
     }
 
 
-def _read_requests(path: Path) -> list[dict]:
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+def compare_runs(out: Path, order: list[str]) -> str:
+    """``differing`` over the two routers' ``requests.jsonl`` under ``out``, written to
+    ``out/differing.json``; returns the line to print."""
+    first, second = (read_requests(out / name / "requests.jsonl") for name in order)
+    d = differing(first, second)
+    (out / "differing.json").write_text(json.dumps(d, indent=2))
+    return (
+        f"cached tokens differ on {d['differ']} of {d['requests']} requests "
+        f"({order[0]} less {order[1]}: {d['net_cached_tokens']:+,} tokens; the five "
+        f"largest differences carry {100 * d['top5_share']:.0f}% of them)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,14 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "side_by_side.json").write_text(json.dumps(rows, indent=2))
     print(markdown(rows))
     if len(order) == 2:
-        first, second = (_read_requests(args.out / name / "requests.jsonl") for name in order)
-        d = differing(first, second)
-        print(
-            f"cached tokens differ on {d['differ']} of {d['requests']} requests "
-            f"({order[0]} less {order[1]}: {d['net_cached_tokens']:+,} tokens; the five "
-            f"largest differences carry {100 * d['top5_share']:.0f}% of them)"
-        )
-        (args.out / "differing.json").write_text(json.dumps(d, indent=2))
+        print(compare_runs(args.out, order))
     return 0
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from loadtest import sglang_side_by_side as sbs
@@ -60,3 +61,22 @@ def test_requests_whose_cached_tokens_differ_between_the_two_runs() -> None:
     assert sbs.differing(a, a)["differ"] == 0 and sbs.differing(a, a)["top5_share"] == 0.0
     # A request the other run lacks (a failed one, say) is left out, not counted as a gap.
     assert sbs.differing(a, b[:3])["requests"] == 3
+
+
+def test_the_two_runs_are_compared_from_their_request_files(tmp_path) -> None:
+    from loadtest.results import write_requests
+
+    def run(cached: list[int]) -> list[RequestResult]:
+        return [
+            RequestResult(index=i, send_time=0.0, first_token_time=0.5, end_time=1.0,
+                          prompt_tokens=64, output_tokens=4, expected_output_tokens=4,
+                          cached_tokens=c, replica_id="replica-0")
+            for i, c in enumerate(cached)
+        ]  # fmt: skip
+
+    write_requests(run([0, 32, 48]), tmp_path / "sglang" / "requests.jsonl")
+    write_requests(run([0, 48, 48]), tmp_path / "prefixmesh" / "requests.jsonl")
+    line = sbs.compare_runs(tmp_path, ["sglang", "prefixmesh"])
+    assert line.startswith("cached tokens differ on 1 of 3 requests (sglang less prefixmesh: -16")
+    saved = json.loads((tmp_path / "differing.json").read_text())
+    assert saved == {"requests": 3, "differ": 1, "net_cached_tokens": -16, "top5_share": 1.0}
