@@ -29,7 +29,8 @@ What is real and what is modelled:
   let a replica evict first a cached block another replica also holds (known exactly, or only
   for blocks it fetched), ``--cold-placement oldest`` sends a prefix no replica holds to the
   pool whose eviction for it loses the longest-unused blocks, ``tree`` to the replica the
-  fewest distinct blocks were sent to: what-ifs the replicas and router do not do
+  fewest distinct blocks were sent since the start (the router's own ``--cold-by content``
+  counts over two epochs of its window): what-ifs the replicas and router do not do
   (docs/benchmarks.md, "Duplicates and eviction"). ``--compare sglang_cache_aware`` runs a
   model of sglang-router's policy (``SglangCacheAwareModel``) in the router's place, without
   fetching, as sglang-router sends no fetch hint (docs/benchmarks.md, "sglang-router's policy
@@ -60,7 +61,7 @@ from loadtest.ceilings import ceiling
 from loadtest.request import LoadRequest
 from prefixmesh.hashing import block_hashes
 from router.attribution import MISS_KINDS, MissAttribution, PendingMisses
-from router.balance import RecentRequests
+from router.balance import RecentRequests, RoutedContent
 from router.config import RouterConfig
 from router.policy import (
     CacheAwarePolicy,
@@ -591,6 +592,7 @@ class Simulation:
         predicted_settle_s: float = _ROUTER.predicted_settle_ms / 1000,
         cold_placement: str = "policy",
         balance_window: int = 256,
+        content_window: int = _ROUTER.cold_content_window,
     ) -> None:
         self.cold_placement = cold_placement
         self.model = model
@@ -610,6 +612,7 @@ class Simulation:
         self.decisions: dict[str, int] = {}
         self.recent = RecentRequests(balance_window)
         self.routed: list[set[bytes]] = [set() for _ in range(replicas)]  # blocks ever sent
+        self.content = RoutedContent(content_window)  # the router's count, for cold_by content
         bs = model.block_size
         self.reqs = [
             SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt or None))
@@ -635,7 +638,7 @@ class Simulation:
                 matched += 1
             out.append(
                 Candidate(rep.id, cached, matched, rep.inflight, rep.queued_tokens(),
-                          self.recent.count(rep.id))
+                          self.recent.count(rep.id), routed_blocks=self.content.count(rep.id))
             )  # fmt: skip
         return out
 
@@ -669,6 +672,7 @@ class Simulation:
         self.routed[i].update(r.hashes)
         self.decisions[d.outcome] = self.decisions.get(d.outcome, 0) + 1
         rep = self.replicas[i]
+        self.content.add(rep.id, r.hashes)
         self.recent.add(rep.id)
         r.replica, r.send, r.held_tokens = i, now, d.weight_tokens
         rep.inflight += d.weight_tokens
@@ -850,6 +854,7 @@ def _add_simulation_flags(g: Any) -> None:
         ("balance_requests_epsilon", float, " (negative: off)"),
         ("balance_cold_requests_epsilon", float, ""),
         ("balance_window", int, ""),
+        ("cold_by", str, " (content or load)"),
         ("saturation_tokens", int, ""),
         ("duplicate_weight", float, " (0: off)"),
     ):
@@ -908,6 +913,7 @@ def policy_factory(args: argparse.Namespace) -> Callable[[str], Policy]:
             fetch_weight=args.fetch_weight if args.fetch_weight >= 0 else None,
             request_cold_epsilon=args.balance_cold_requests_epsilon,
             saturation_tokens=args.saturation_tokens, duplicate_weight=args.duplicate_weight,
+            cold_by=args.cold_by,
         )  # fmt: skip
 
     return factory

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from prefixmesh import limits, settings, tenants, tls
 from prefixmesh.request_defaults import DEFAULT_MAX_TOKENS
 from router.policy import (
+    COLD_BY,
     COLD_REQUEST_EPSILON,
     DUPLICATE_WEIGHT,
     POLICIES,
@@ -60,11 +61,13 @@ class RouterConfig:
     tls_client_ca: str = ""
     tls_ca: str = ""
     # Cost model and load bound (docs/router.md explains them).
-    balance_epsilon: float = 1.0
+    balance_epsilon: float = 2.0
     balance_slack_tokens: int = 512
-    balance_requests_epsilon: float = 0.2
+    balance_requests_epsilon: float = 0.25
     balance_cold_requests_epsilon: float = COLD_REQUEST_EPSILON
     balance_window: int = 256
+    cold_by: str = "content"
+    cold_content_window: int = 1 << 16
     tie_tokens: int = 32
     prefill_weight: float = 8.0
     fetch_weight: str = "off"
@@ -118,13 +121,20 @@ _HELP: dict[str, str] = {
     "an idle cluster stays together",
     "balance_requests_epsilon": "request bound: a replica whose share of this router's last "
     "--balance-window decisions would exceed (1 + epsilon) x the mean (+ 2 requests) is "
-    "skipped, so a hot prefix spills over to a second replica (0.2 keeps max/mean requests "
-    "near 1.2; negative = off); it starts once the window holds 32 decisions",
+    "skipped, so a hot prefix spills over to a second replica (0.25 keeps max/mean requests "
+    "near 1.25; negative = off); it starts once the window holds 32 decisions",
     "balance_cold_requests_epsilon": "the request bound's epsilon for a replica where the "
     "request would hit nothing (never above --balance-requests-epsilon): cold requests keep "
     "within (1 + this) x the mean share, leaving a replica that holds hot prefixes headroom "
     "for their warm requests (at or above --balance-requests-epsilon: no difference)",
     "balance_window": "routing decisions over which the request bound counts requests",
+    "cold_by": "where a prompt no replica holds goes: 'content' (the replica this router has "
+    "sent the fewest distinct prompt blocks lately, so every pool turns over at the same rate; "
+    "within the request bound, and not to a replica loaded beyond 8 x the least loaded's + "
+    "16,384 tokens) or 'load' (the cheapest, i.e. the least loaded)",
+    "cold_content_window": "with --cold-by content: distinct (replica, block) pairs per epoch "
+    "of the content count, which covers the current epoch and the one before (bounds memory: "
+    "a replica that joins late catches up within two epochs)",
     "tie_tokens": "costs within this many tokens count as equal; ties go to the replica the "
     "prefix hashes to (rendezvous), the same on every router",
     "prefill_weight": "cost of one uncached prompt token relative to one queued token: a miss "
@@ -207,6 +217,10 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         problems.append(f"--saturation-tokens must be >= 0 (got {config.saturation_tokens})")
     if config.duplicate_weight < 0:
         problems.append(f"--duplicate-weight must be >= 0 (got {config.duplicate_weight})")
+    if config.cold_by not in COLD_BY:
+        problems.append(f"--cold-by must be one of {', '.join(COLD_BY)} (got {config.cold_by!r})")
+    if config.cold_content_window < 1:
+        problems.append(f"--cold-content-window must be >= 1 (got {config.cold_content_window})")
     if config.balance_window < 1:
         problems.append(f"--balance-window must be >= 1 (got {config.balance_window})")
     if config.max_attempts < 1:

@@ -40,6 +40,18 @@ holding the longest prefix, then by the highest rendezvous hash of (prefix, repl
 demand cools, every router sends the prefix back to the same single replica and the extra
 copies age out of the other caches.
 
+**Cold placement** (cache_aware, ``cold_by="content"``): a prompt that no replica holds or is
+computing any block of goes to the replica this router has sent the least distinct content
+lately (``Candidate.routed_blocks``, router/balance.RoutedContent: sglang-router's "smallest
+tree"), whatever its load, so that every replica's pool takes new blocks at the same rate and
+evicts about what one LRU of the cluster's memory would. Ties go to the lesser load, then to the
+rendezvous hash. Only replicas within the request bound qualify, and only those whose load is at
+most ``cold_load_factor`` x the least loaded's + ``cold_load_slack_tokens``: a replica that
+stalls takes no cold prompts, however little it was sent. ``cold_by="load"`` prices a cold
+prompt like any other (the cheapest within the bounds: the least loaded). Content placement
+keeps 0.6-1.2% more of the capacity-aware ceiling on the synthetic trace's closed loops at the
+same TTFT (docs/benchmarks.md, "Cold prompts to the least content").
+
 **Fetch hint** (every policy): when the chosen replica holds fewer leading blocks of the prompt
 than another replica actually has cached (spillover, or a policy blind to caches), the router
 names that replica (``fetch_source``) in the request's ``fetch_hint``. The chosen replica may
@@ -71,7 +83,13 @@ WARM, SPILLOVER, COLD, FALLBACK = "warm", "spillover", "cold", "fallback"
 # The request bound's epsilon where a request would hit nothing (``--balance-cold-requests-
 # epsilon``): measured against 0 and the bound's own 0.2 (docs/benchmarks.md, "Cold requests
 # keep nearer the mean").
-COLD_REQUEST_EPSILON = 0.1
+COLD_REQUEST_EPSILON = 0.25
+# Cold placement (``--cold-by``): by the content this router sent each replica lately, or by
+# load; and the load guard on the former (docs/benchmarks.md, "Cold prompts to the least
+# content").
+COLD_BY = ("content", "load")
+COLD_LOAD_FACTOR = 8.0
+COLD_LOAD_SLACK_TOKENS = 16384
 # Saturation (``--saturation-tokens``, ``--duplicate-weight``): once every replica has this many
 # tokens queued (eight steps of the replicas' default 1,024-token budget), a prompt token that
 # another replica holds or is computing costs this much more where it would be computed again
@@ -105,6 +123,9 @@ class Candidate(NamedTuple):
     # Blocks its pool holds nothing in (the lease's, at least; None: unknown). A copy that fits
     # in them evicts nothing; past them every fetched block evicts a cached one.
     empty_blocks: int | None = None
+    # Distinct prompt blocks this router has sent it lately (router/balance.RoutedContent);
+    # None: not counted, and a cold prompt goes by load.
+    routed_blocks: int | None = None
 
     @property
     def load(self) -> int:
@@ -248,7 +269,12 @@ class CacheAwarePolicy(Policy):
         request_cold_epsilon: float = COLD_REQUEST_EPSILON,
         saturation_tokens: int = SATURATION_TOKENS,
         duplicate_weight: float = DUPLICATE_WEIGHT,
+        cold_by: str = "content",
+        cold_load_factor: float = COLD_LOAD_FACTOR,
+        cold_load_slack_tokens: int = COLD_LOAD_SLACK_TOKENS,
     ) -> None:
+        if cold_by not in COLD_BY:
+            raise ValueError(f"cold_by must be one of {', '.join(COLD_BY)}, got {cold_by!r}")
         self.epsilon = epsilon
         self.slack_tokens = slack_tokens
         self.tie_tokens = tie_tokens
@@ -271,6 +297,10 @@ class CacheAwarePolicy(Policy):
         # waits for, while moving the request saves it little: its wait is long anywhere.
         self.saturation_tokens = saturation_tokens
         self.duplicate_weight = duplicate_weight
+        # Where a prompt no replica holds goes (module docstring, "Cold placement").
+        self.cold_by = cold_by
+        self.cold_load_factor = cold_load_factor
+        self.cold_load_slack_tokens = cold_load_slack_tokens
 
     @classmethod
     def create(cls, **knobs: float) -> CacheAwarePolicy:
@@ -283,6 +313,7 @@ class CacheAwarePolicy(Policy):
             request_cold_epsilon=knobs.get("request_cold_epsilon", COLD_REQUEST_EPSILON),
             saturation_tokens=int(knobs.get("saturation_tokens", SATURATION_TOKENS)),
             duplicate_weight=knobs.get("duplicate_weight", DUPLICATE_WEIGHT),
+            cold_by=COLD_BY[int(knobs.get("cold_by", 0))],
         )  # fmt: skip
 
     def _fetch_weight(self, candidate: Candidate) -> float | None:
@@ -400,6 +431,9 @@ class CacheAwarePolicy(Policy):
                 or row[0].recent_requests + 1 <= (request_limit if row[2] else cold_limit)
             )
         ]
+        if matched_hit == 0 and self.cold_by == "content":
+            if all(row[0].routed_blocks is not None for row in rows):
+                return decide(request, candidates, self._place_cold(request, rows, cold_limit))
         if not eligible:
             eligible = [min(rows, key=lambda row: (row[1], row[0].recent_requests))]
         prefill_weight = self.prefill_weight
@@ -430,11 +464,33 @@ class CacheAwarePolicy(Policy):
             )[0]
         return decide(request, candidates, chosen)
 
+    def _place_cold(
+        self, request: RouteRequest, rows: list[tuple[Candidate, int, int, int]], limit: float
+    ) -> Candidate:
+        """The replica for a prompt no replica holds (module docstring, "Cold placement"):
+        ``rows`` are ``choose``'s (candidate, load, ...), ``limit`` its cold request limit (0:
+        no request bound yet)."""
+        ceiling = self.cold_load_factor * min(row[1] for row in rows) + self.cold_load_slack_tokens
+        ok = [
+            row
+            for row in rows
+            if row[1] <= ceiling and (not limit or row[0].recent_requests + 1 <= limit)
+        ]
+        if not ok:
+            return min(rows, key=lambda row: (row[1], row[0].recent_requests))[0]
+        affinity = request.affinity
+        return min(
+            ok,
+            key=lambda row: (
+                row[0].routed_blocks, row[1], -rendezvous(affinity, row[0].replica_id)
+            ),
+        )[0]  # fmt: skip
+
 
 def make_policy(
     name: str,
     *,
-    epsilon: float = 1.0,
+    epsilon: float = 2.0,
     slack_tokens: int = 512,
     tie_tokens: int = 32,
     prefill_weight: float = 8.0,
@@ -443,6 +499,7 @@ def make_policy(
     request_cold_epsilon: float = COLD_REQUEST_EPSILON,
     saturation_tokens: int = SATURATION_TOKENS,
     duplicate_weight: float = DUPLICATE_WEIGHT,
+    cold_by: str = "content",
 ) -> Policy:
     """A policy by its name in ``REGISTRY``."""
     if name not in REGISTRY:
@@ -453,7 +510,15 @@ def make_policy(
         request_epsilon=-1.0 if request_epsilon is None else request_epsilon,
         fetch_weight=fetch_knob(fetch_weight), request_cold_epsilon=request_cold_epsilon,
         saturation_tokens=saturation_tokens, duplicate_weight=duplicate_weight,
+        cold_by=cold_knob(cold_by),
     )  # fmt: skip
+
+
+def cold_knob(cold_by: str) -> float:
+    """``--cold-by`` as the policy knob (knobs are numbers): its index in ``COLD_BY``."""
+    if cold_by not in COLD_BY:
+        raise ValueError(f"cold_by must be one of {', '.join(COLD_BY)}, got {cold_by!r}")
+    return float(COLD_BY.index(cold_by))
 
 
 FETCH_OFF, FETCH_AUTO = -1.0, -2.0  # the fetch_weight knob's two non-weights

@@ -28,7 +28,7 @@ from prefixmesh.hashing import BlockHash
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from proto import prefixmesh_pb2 as pb
 from router.attribution import MissAttribution, PendingMisses
-from router.balance import RecentRequests
+from router.balance import RecentRequests, RoutedContent
 from router.config import RouterConfig
 from router.discovery import GROUP_KEY, ReplicaHandle, ReplicaView
 from router.fastredis import PipelinedRedis
@@ -147,6 +147,8 @@ class Router:
         self._fallback = LeastLoadedPolicy()
         self.attribution = MissAttribution()  # why prompt blocks missed (router/attribution.py)
         self.recent = RecentRequests(config.balance_window)  # for the request bound
+        # What this router sent each replica lately, for cold placement (router/balance.py).
+        self.content = RoutedContent(config.cold_content_window)
         # Plans still waiting for their first token, with the blocks predicted for them: their
         # predicted entries are renewed until then, so a burst behind a long queue stays
         # together however long it waits (a fixed TTL would scatter it).
@@ -169,6 +171,7 @@ class Router:
             request_epsilon=c.balance_requests_epsilon if c.balance_requests_epsilon >= 0 else None,
             fetch_weight=c.fetch_weight, request_cold_epsilon=c.balance_cold_requests_epsilon,
             saturation_tokens=c.saturation_tokens, duplicate_weight=c.duplicate_weight,
+            cold_by=c.cold_by,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -384,6 +387,8 @@ class Router:
         # Blocks the replica does not report yet: it is about to compute them.
         new = self._commit(handle, decision, hashes[chosen.cached_blocks :])
         self.recent.add(handle.replica_id)
+        if hashes:  # of the primary group: what its pools take in
+            self.content.add(handle.replica_id, hashes)
         plan = RoutePlan(
             handle=handle,
             decision=decision,
@@ -530,7 +535,7 @@ class Router:
         return Candidate(
             rid, cached, predicted, max(0, handle.inflight_tokens) + other, lease.queued_tokens,
             self.recent.count(rid), lease.fetch_cost if lease.fetch_cost >= 0 else None,
-            lease.empty_blocks,
+            lease.empty_blocks, self.content.count(rid) if same_group else None,
         )  # fmt: skip
 
     def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:

@@ -67,10 +67,17 @@ def test_cache_aware_beats_round_robin_and_the_request_bound_balances() -> None:
     ca = simulate(reqs, "cache_aware", 3, model, concurrency=4)
     rr = simulate(reqs, "round_robin", 3, model, concurrency=4)
     assert ca.hit_rate > rr.hit_rate
-    # the hot groups pile onto their replicas; the request bound spreads them
-    bounded = simulate(reqs, make_policy("cache_aware", request_epsilon=0.2), 3, model, 4)
-    assert bounded.skew <= 1.3 < ca.skew, (bounded.requests_per_replica, ca.requests_per_replica)
-    assert bounded.hit_rate > rr.hit_rate
+    # Cold prompts placed by load pile the hot groups onto the idlest replicas; placed by the
+    # content each replica was sent (the default), they spread at the same hit rate; the
+    # request bound spreads them in either case.
+    by_load = simulate(reqs, make_policy("cache_aware", cold_by="load"), 3, model, 4)
+    assert ca.skew <= 1.3 < by_load.skew, (ca.requests_per_replica, by_load.requests_per_replica)
+    assert ca.hit_rate >= by_load.hit_rate
+    for cold_by in ("content", "load"):
+        policy = make_policy("cache_aware", request_epsilon=0.2, cold_by=cold_by)
+        bounded = simulate(reqs, policy, 3, model, 4)
+        assert bounded.skew <= 1.3, (cold_by, bounded.requests_per_replica)
+        assert bounded.hit_rate > rr.hit_rate
     assert sum(ca.requests_per_replica) == len(reqs)
     # deterministic: the same inputs give the same answer
     assert simulate(reqs, "cache_aware", 3, model, concurrency=4).hit_rate == ca.hit_rate

@@ -618,6 +618,18 @@ def test_bookkeeping_waits_for_account_and_runs_once(redis_server: str) -> None:
             assert plan.misses.seen_blocks == 8
             plan.release()
             assert plan.handle.inflight_requests == 0
+            # The content count for cold placement: the prefix's 8 blocks, sent to one replica
+            # twice; a prompt no replica holds goes to the replica sent nothing yet.
+            warm_id = plan.handle.replica_id
+            assert r.content.count(warm_id) == 8
+            cold = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=list(range(500, 533))),
+                sampling=pb.SamplingParams(max_tokens=1),
+            )
+            plan = await r.route(cold)
+            assert plan.decision.outcome == "cold" and plan.handle.replica_id != warm_id
+            assert r.content.count(plan.handle.replica_id) == 8
+            plan.release()
 
     asyncio.run(scenario())
 
