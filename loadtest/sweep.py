@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import math
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass
@@ -98,11 +99,42 @@ def summarize(results: list[WindowResult], floor: float) -> dict[str, float | st
     }
 
 
-def window_starts(timestamps_ms: list[float], windows: int) -> list[tuple[int, float]]:
-    """``windows`` first requests spread evenly over the trace: (index, trace seconds)."""
+def paired(results: list[WindowResult], baseline: list[WindowResult]) -> dict[str, float]:
+    """This sweep against ``baseline``'s on the same windows, step models and seeds: the mean
+    of the per-window differences of mean hit rate, in points of the capacity-aware ceiling,
+    with its standard error over the windows (each window's runs share its requests, so the
+    window is the unit; pairing removes what the window itself decides, the noise that
+    dwarfs a policy's effect when two sweeps' means are compared unpaired), how many windows
+    went each way, and the geometric mean of the windows' TTFT p50 ratios."""
+    if [r.first_request for r in results] != [b.first_request for b in baseline]:
+        raise ValueError("paired sweeps need the same windows")
+    diffs = [100 * (r.mean - b.mean) for r, b in zip(results, baseline)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+    ratios = [r.ttft / b.ttft for r, b in zip(results, baseline) if r.ttft > 0 and b.ttft > 0]
+    ttft_ratio = math.exp(statistics.fmean(map(math.log, ratios))) if ratios else 1.0
+    return {
+        "diff_points": round(statistics.fmean(diffs), 3),
+        "diff_se": round(se, 3),
+        "windows_ahead": sum(d > 0 for d in diffs),
+        "windows_behind": sum(d < 0 for d in diffs),
+        "ttft_ratio": round(ttft_ratio, 4),
+    }
+
+
+def window_starts(
+    timestamps_ms: list[float], windows: int, limit: int | None = None
+) -> list[tuple[int, float]]:
+    """``windows`` first requests spread evenly over the trace: (index, trace seconds). With
+    ``limit``, only first requests that leave a whole window of ``limit`` requests: the last
+    window ends with the trace (a window cut short by the trace's end is a different, smaller
+    workload, whose max/mean requests over a few dozen decisions says little about balance)."""
     n = len(timestamps_ms)
-    picks = sorted({i * n // windows for i in range(windows)})
-    return [(i, timestamps_ms[i] / 1000) for i in picks]
+    if limit is None:
+        picks = {i * n // windows for i in range(windows)}
+    else:
+        span = max(0, n - limit)  # the last first request that leaves a whole window
+        picks = {round(i * span / (windows - 1)) for i in range(windows)} if windows > 1 else {0}
+    return [(i, timestamps_ms[i] / 1000) for i in sorted(picks)]
 
 
 def step_models(spec: str) -> list[tuple[float, float, float]]:
@@ -162,30 +194,60 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     g.add_argument("--seeds", default="0,1", help="token seeds, comma separated")
     g.add_argument(
+        "--baseline", metavar="FLAGS",
+        help="also sweep the same windows with these flags added (for example "
+        "'--compare sglang_cache_aware' or '--cold-by load'), and print the paired difference",
+    )  # fmt: skip
+    g.add_argument(
         "--floor", type=float, default=0.9,
         help="count the runs whose hit rate is below this share of the capacity-aware ceiling",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _checked(parser, parser.parse_args(argv))
+    results = run_sweep(args)
+    base: dict[str, float | str] = {}
+    if args.baseline:
+        base_args = _checked(parser, parser.parse_args([*argv, *shlex.split(args.baseline)]))
+        if (base_args.windows, base_args.limit, base_args.seeds, base_args.step_models) != (
+            args.windows, args.limit, args.seeds, args.step_models
+        ):  # fmt: skip
+            parser.error("--baseline: flags that change the windows or runs cannot be paired")
+        baseline = run_sweep(base_args)
+        base = {
+            **{f"baseline_{k}": v for k, v in summarize(baseline, args.floor).items()},
+            **paired(results, baseline),
+        }
+        del base["baseline_window"], base["baseline_windows"]
+    if args.json:
+        for r in results:
+            print(json.dumps(r.row(args.floor)))
+        print(json.dumps(summarize(results, args.floor) | base))
+    else:
+        _print_table(results, args.floor)
+        if base:
+            _print_paired(base)
+    return 0
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     args.workload = "trace"
     if args.limit is None:
         parser.error("--limit: the window's length in requests")
     args.compare = args.compare or "cache_aware"
     if "," in args.compare:
         parser.error("--compare: one policy per sweep")
+    return args
+
+
+def run_sweep(args: argparse.Namespace) -> list[WindowResult]:
+    """Every window of ``args``: ``--windows`` whole windows of ``--limit`` requests."""
     times = [r.timestamp_ms for r in read_trace(args.trace or SAMPLE_TRACE)]
     models = step_models(args.step_models)
     seeds = [int(s) for s in args.seeds.split(",")]
-    results = [
+    return [
         sweep_window(args, start_s, first, models, seeds)
-        for first, start_s in window_starts(times, args.windows)
+        for first, start_s in window_starts(times, args.windows, args.limit)
     ]
-    if args.json:
-        for r in results:
-            print(json.dumps(r.row(args.floor)))
-        print(json.dumps(summarize(results, args.floor)))
-    else:
-        _print_table(results, args.floor)
-    return 0
 
 
 def _print_table(results: list[WindowResult], floor: float) -> None:
@@ -204,6 +266,19 @@ def _print_table(results: list[WindowResult], floor: float) -> None:
     print(f"| all {a['windows']} windows | | | **{a['mean']:.3f}** | {a['worst']:.3f} | "
           f"{a['below_floor']} of {a['runs']} | {a['worst_skew']:.2f} | | "
           f"{a['ttft_p50_s']:.2f} s (geometric mean) |")  # fmt: skip
+
+
+def _print_paired(base: dict[str, float | str]) -> None:
+    b = base
+    print()
+    print(f"Baseline (the same windows with --baseline's flags): mean {b['baseline_mean']:.3f}, "
+          f"worst {b['baseline_worst']:.3f}, {b['baseline_below_floor']} of "
+          f"{b['baseline_runs']} runs below the floor, worst max/mean requests "
+          f"{b['baseline_worst_skew']:.2f}, TTFT p50 {b['baseline_ttft_p50_s']:.2f} s.")  # fmt: skip
+    print(f"This sweep - baseline, paired by window: {b['diff_points']:+.2f} +- "
+          f"{b['diff_se']:.2f} points of the capacity-aware ceiling (ahead in "
+          f"{b['windows_ahead']} windows, behind in {b['windows_behind']}); TTFT p50 "
+          f"x{b['ttft_ratio']:.3f} (geometric mean of the windows' ratios).")  # fmt: skip
 
 
 if __name__ == "__main__":

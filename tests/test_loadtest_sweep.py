@@ -29,6 +29,16 @@ def test_window_starts_spread_evenly_over_the_trace() -> None:
     assert sweep.window_starts(times[:2], 4) == [(0, 0.0), (1, 1.0)]  # fewer requests than windows
 
 
+def test_window_starts_leave_whole_windows_when_given_their_length() -> None:
+    times = [1000.0 * i for i in range(10)]
+    # Windows of 4: first requests 0..6, spread evenly, the last window ending with the trace.
+    assert sweep.window_starts(times, 3, limit=4) == [(0, 0.0), (3, 3.0), (6, 6.0)]
+    assert sweep.window_starts(times, 8, limit=8) == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert sweep.window_starts(times, 4, limit=10) == [(0, 0.0)]  # the trace is one window
+    assert sweep.window_starts(times, 4, limit=50) == [(0, 0.0)]  # or less than one
+    assert sweep.window_starts(times, 1, limit=4) == [(0, 0.0)]
+
+
 def test_step_models_parse() -> None:
     assert sweep.step_models("20:2:10,10:1:20") == [(20.0, 2.0, 10.0), (10.0, 1.0, 20.0)]
 
@@ -37,10 +47,10 @@ def test_each_window_is_the_simulation_of_that_slice_of_the_trace(capsys) -> Non
     sweep.main([*FLAGS, "--windows", "2", "--seeds", "0", "--step-models", "20:2:10", "--json"])
     *rows, everything = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     trace = read_trace(SAMPLE_TRACE)
-    assert [r["first_request"] for r in rows] == [0, len(trace) // 2]
+    assert [r["first_request"] for r in rows] == [0, len(trace) - 50]  # the last ends the trace
     assert all(r["requests"] == 50 and r["runs"] == 1 for r in rows)
     # The second window is what the simulator alone gives from that request's time.
-    start = trace[len(trace) // 2].timestamp_ms / 1000
+    start = trace[len(trace) - 50].timestamp_ms / 1000
     simulate.main([*FLAGS, "--trace-start", str(start), "--json", "--no-progress"])
     out = capsys.readouterr().out.splitlines()
     capacity = float(out[0].split("capacity-aware ")[1].split()[0])
@@ -68,3 +78,34 @@ def test_the_summary_weighs_windows_alike_and_takes_the_geometric_mean_ttft() ->
     assert summary["worst_skew"] == 1.25
     assert summary["ttft_p50_s"] == pytest.approx(1.0)  # sqrt(0.1 * 10)
     assert sweep.summarize([_window([1.0], 1.0, 0.0)], floor=0.9)["ttft_p50_s"] == 0.0
+
+
+def test_paired_differences_are_per_window_in_points_with_their_standard_error() -> None:
+    ours = [_window([0.90, 0.92], 1.1, 2.0), _window([1.0], 1.2, 1.0), _window([0.8], 1.0, 4.0)]
+    base = [_window([0.90, 0.90], 1.1, 1.0), _window([0.98], 1.3, 1.0), _window([0.8], 1.0, 1.0)]
+    got = sweep.paired(ours, base)
+    # per-window differences: +1, +2 and 0 points; mean 1, standard deviation 1, three windows
+    assert got["diff_points"] == pytest.approx(1.0)
+    assert got["diff_se"] == pytest.approx(1 / 3**0.5, abs=1e-3)
+    assert got["windows_ahead"] == 2 and got["windows_behind"] == 0
+    assert got["ttft_ratio"] == pytest.approx(2.0)  # (2 * 1 * 4) ** (1/3)
+    shifted = [sweep.WindowResult(0.0, 7, 10, 0.5, [1.0], 1.0, {}, [1.0])]
+    with pytest.raises(ValueError, match="same windows"):
+        sweep.paired(shifted, base[:1])
+
+
+def test_a_baseline_sweep_runs_the_same_windows_and_reports_the_paired_difference(capsys) -> None:
+    flags = [*FLAGS[:-1], "--windows", "2", "--seeds", "0", "--step-models", "20:2:10", "--json"]
+    sweep.main([*flags, "--baseline", "--compare round_robin"])  # no --fetch: no fetched hits
+    *rows, everything = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sweep.main([*flags, "--compare", "round_robin"])
+    *base_rows, base = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # The baseline's own numbers are those of a sweep run with its flags, and the difference is
+    # taken window by window.
+    assert everything["baseline_mean"] == base["mean"]
+    assert everything["baseline_worst_skew"] == base["worst_skew"]
+    diffs = [100 * (r["mean"] - b["mean"]) for r, b in zip(rows, base_rows)]
+    assert everything["diff_points"] == pytest.approx(sum(diffs) / 2, abs=0.1)
+    assert everything["diff_points"] > 0  # cache_aware keeps more than round robin
+    with pytest.raises(SystemExit):
+        sweep.main([*flags, "--baseline", "--windows 3"])
