@@ -22,7 +22,13 @@ from loadtest.report import print_comparison, print_summary
 from loadtest.runner import RunLimits
 from loadtest.slo import parse_slo
 from loadtest.tokens import DEFAULT_MIN_TOKEN_ID, DEFAULT_VOCAB_SIZE
-from loadtest.workload import PROMPT_FORMATS, SAMPLE_TRACE, WORKLOADS, build_workload
+from loadtest.workload import (
+    PROMPT_FORMATS,
+    SAMPLE_TRACE,
+    WORKLOADS,
+    build_workload,
+    parse_shard,
+)
 from prefixmesh import event_loop, tls
 
 
@@ -107,6 +113,15 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-start", type=float, default=0.0, help="trace window start (trace s)")
     g.add_argument("--trace-window", type=float, default=None, help="trace window length (trace s)")
     g.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    g.add_argument(
+        "--shard",
+        type=parse_shard,
+        default=None,
+        metavar="K/N",
+        help="send only requests K, K+N, K+2N, ... of the workload (0 <= K < N), at their "
+        "times in the whole workload: N load testers, one per router, replay one workload "
+        "with clients alternating between the routers",
+    )
     g.add_argument("--max-output-tokens", type=int, default=None, help="cap on output lengths")
     g.add_argument("--max-input-tokens", type=int, default=None, help="cap on prompt lengths")
     g.add_argument("--num-groups", type=int, default=8, help="shared-prefix: groups")

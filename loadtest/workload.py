@@ -70,4 +70,19 @@ def build_workload(args: argparse.Namespace) -> list[LoadRequest]:
         requests,
         ArrivalSpec(arrival, args.rate, args.burstiness, args.speedup, args.concurrency, args.seed),
     )
+    shard = getattr(args, "shard", None)
+    if shard is not None:  # after scheduling: each request keeps its time in the whole workload
+        k, n = shard
+        requests = [r for r in requests if r.index % n == k]
     return requests
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """``--shard K/N`` as (K, N)."""
+    try:
+        k, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N, e.g. 0/2 (got {value!r})") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"K/N needs 0 <= K < N (got {value!r})")
+    return k, n
