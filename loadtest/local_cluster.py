@@ -176,6 +176,22 @@ def loadtest_argv(
     )  # fmt: skip
 
 
+def run_order(order: str, known: tuple[str, ...]) -> list[str]:
+    """``--order``'s comma-separated names, each one of ``known`` (ValueError naming the rest)."""
+    names = [name.strip() for name in order.split(",") if name.strip()]
+    if bad := [name for name in names if name not in known]:
+        raise ValueError(f"--order: unknown names {bad} (known: {', '.join(known)})")
+    return names
+
+
+def logs_under(out: Path) -> Path:
+    """Creates ``out`` and its ``logs`` folder, where ``LocalCluster`` writes; returns the
+    latter."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
+
+
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     """The cluster ``LocalCluster`` starts."""
     p.add_argument("--replicas", type=int, default=3)

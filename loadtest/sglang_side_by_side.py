@@ -37,6 +37,8 @@ from loadtest.local_cluster import (
     add_cluster_flags,
     add_window_flags,
     loadtest_argv,
+    logs_under,
+    run_order,
     wait_http,
 )
 from loadtest.results import read_requests
@@ -166,13 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    order = [r.strip() for r in args.order.split(",") if r.strip()]
-    if bad := [r for r in order if r not in ROUTERS]:
-        print(f"--order: unknown routers {bad} (known: {', '.join(ROUTERS)})", file=sys.stderr)
+    try:
+        order = run_order(args.order, ROUTERS)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    logs = args.out / "logs"
-    logs.mkdir(exist_ok=True)
+    logs = logs_under(args.out)
     cluster = LocalCluster(args, logs)
     rows: list[dict] = []
     try:

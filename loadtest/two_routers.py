@@ -46,6 +46,8 @@ from loadtest.local_cluster import (
     add_cluster_flags,
     add_window_flags,
     loadtest_argv,
+    logs_under,
+    run_order,
 )
 from loadtest.results import read_requests
 from loadtest.workload import build_workload
@@ -156,13 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    order = [m.strip() for m in args.order.split(",") if m.strip()]
-    if bad := [m for m in order if m not in MODES]:
-        print(f"--order: unknown modes {bad} (known: {', '.join(MODES)})", file=sys.stderr)
+    try:
+        order = run_order(args.order, MODES)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    logs = args.out / "logs"
-    logs.mkdir(exist_ok=True)
+    logs = logs_under(args.out)
     cluster = LocalCluster(args, logs, routers=2)
     rows: list[dict] = []
     try:

@@ -97,3 +97,9 @@ def test_two_routers_on_one_redis_keep_what_one_keeps(tiny_model_dir: Path, tmp_
     # The routers share the map and each other's decisions through Redis: blind to each
     # other they would warm every prefix twice, as two separate clusters would.
     assert two["hit_rate"] > one["hit_rate"] - 0.1
+
+
+def test_an_unknown_mode_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
+    assert two_routers.main(["--order", "one,three", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown names ['three'] (known: one, two)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
