@@ -3,14 +3,16 @@
 A policy tuned on a trace's first window can still lose hits on a later one, where the mix of
 new and returning prefixes differs (and a held-out trace is judged on windows nobody tuned on).
 This runs ``loadtest.simulate`` on ``--windows`` windows of ``--limit`` requests whose first
-requests are spread evenly over the trace, each under every step model and seed given, and
-prints one row per window: its capacity-aware ceiling, the achieved hit rate over it (mean
-and worst run, and how many runs fell below ``--floor``), the worst max/mean requests per
-replica, the largest share of blocks lost to each miss kind, and the median run's TTFT p50.
-A last row sums up all windows (``summarize``): the mean of the windows' means, the worst run,
-the runs below the floor, the worst max/mean, and the geometric mean of the windows' TTFT p50s,
-the numbers by which docs/benchmarks.md compares policies. The other flags are ``python -m
-loadtest.simulate``'s (workload, cluster, policy flags).
+requests are spread evenly over the trace (the last window ends with it), each under every step
+model and seed given, and prints one row per window: its capacity-aware ceiling, the achieved
+hit rate over it (mean and worst run, and how many runs fell below ``--floor``), the worst
+max/mean requests per replica, the largest share of blocks lost to each miss kind, and the
+median run's TTFT p50. A last row sums up all windows (``summarize``): the mean of the windows'
+means, the worst run, the runs below the floor, the worst max/mean, and the geometric mean of
+the windows' TTFT p50s, the numbers by which docs/benchmarks.md compares policies. ``--baseline
+FLAGS`` sweeps the same windows again with ``FLAGS`` added and adds the paired difference to
+that row (``paired``). The other flags are ``python -m loadtest.simulate``'s (workload, cluster,
+policy flags).
 
 ```bash
 python -m loadtest.sweep --trace ../shared/data/traces/synthetic_trace.jsonl \
@@ -121,19 +123,13 @@ def paired(results: list[WindowResult], baseline: list[WindowResult]) -> dict[st
     }
 
 
-def window_starts(
-    timestamps_ms: list[float], windows: int, limit: int | None = None
-) -> list[tuple[int, float]]:
-    """``windows`` first requests spread evenly over the trace: (index, trace seconds). With
-    ``limit``, only first requests that leave a whole window of ``limit`` requests: the last
-    window ends with the trace (a window cut short by the trace's end is a different, smaller
-    workload, whose max/mean requests over a few dozen decisions says little about balance)."""
-    n = len(timestamps_ms)
-    if limit is None:
-        picks = {i * n // windows for i in range(windows)}
-    else:
-        span = max(0, n - limit)  # the last first request that leaves a whole window
-        picks = {round(i * span / (windows - 1)) for i in range(windows)} if windows > 1 else {0}
+def window_starts(timestamps_ms: list[float], windows: int, limit: int) -> list[tuple[int, float]]:
+    """``windows`` first requests spread evenly over the trace, each leaving a whole window of
+    ``limit`` requests, the last window ending with the trace: (index, trace seconds). (A window
+    cut short by the trace's end is a different, smaller workload, and its max/mean requests
+    over a few dozen decisions say little about balance.)"""
+    span = max(0, len(timestamps_ms) - limit)  # the last first request that leaves a whole window
+    picks = {round(i * span / (windows - 1)) for i in range(windows)} if windows > 1 else {0}
     return [(i, timestamps_ms[i] / 1000) for i in sorted(picks)]
 
 

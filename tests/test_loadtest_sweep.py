@@ -25,8 +25,8 @@ FLAGS = [
 
 def test_window_starts_spread_evenly_over_the_trace() -> None:
     times = [0.0, 1000.0, 1000.0, 2500.0, 4000.0, 7000.0, 9000.0, 9500.0]
-    assert sweep.window_starts(times, 4) == [(0, 0.0), (2, 1.0), (4, 4.0), (6, 9.0)]
-    assert sweep.window_starts(times[:2], 4) == [(0, 0.0), (1, 1.0)]  # fewer requests than windows
+    assert sweep.window_starts(times, 4, limit=2) == [(0, 0.0), (2, 1.0), (4, 4.0), (6, 9.0)]
+    assert sweep.window_starts(times[:2], 4, limit=1) == [(0, 0.0), (1, 1.0)]  # fewer than 4
 
 
 def test_window_starts_leave_whole_windows_when_given_their_length() -> None:
