@@ -119,7 +119,7 @@ class ClusterServicer(pb_grpc.ClusterServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"policy must be one of {', '.join(POLICIES)} (got {request.policy!r})",
             )
-        self.router.policy = self.router.make_policy(request.policy)
+        self.router.set_policy(request.policy)
         log.info("policy set to %s", request.policy)
         return self.state()
 

@@ -168,8 +168,12 @@ def test_groups_stick_to_one_replica_and_the_cluster_service_reports_it(
                 if r.prompt_tokens:
                     assert r.hit_rate == pytest.approx(r.cached_tokens / r.prompt_tokens)
 
+            assert len(c.router.router.recent) == 16
             state = await c.cluster.SetPolicy(pb.SetPolicyRequest(policy="round_robin"))
             assert state.policy == "round_robin"
+            # The request bound's window held the old policy's decisions; the new one starts
+            # its own (Router.set_policy).
+            assert len(c.router.router.recent) == 0
             state = await c.cluster.ResetStats(pb.Empty())
             assert state.routing.requests == 0 and all(r.requests == 0 for r in state.replicas)
             for _ in range(3):
