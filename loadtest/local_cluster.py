@@ -23,7 +23,6 @@ from pathlib import Path
 from prefixmesh.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTERS = ("sglang", "prefixmesh")
 # Redis as a child process, started the way ``prefixmesh up`` starts it (the load tester does
 # not import the CLI package; the child does).
 _REDIS = (
