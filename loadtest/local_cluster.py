@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Redis as a child process, started the way ``prefixmesh up`` starts it (the load tester does
 # not import the CLI package; the child does).
 _REDIS = (
-    "import os, sys; from prefixmesh.cli.redis_server import redis_command; "
+    "import os, sys; from prefixmesh.redis_server import redis_command; "
     "c = redis_command(int(sys.argv[1])); os.execv(c[0], c)"
 )
 

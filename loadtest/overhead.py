@@ -1,6 +1,6 @@
 """Measure the load tester's own overhead against the instant echo server.
 
-Starts an echo replica (``router/echo_replica.py``, stand-alone) in a subprocess (its own process, so the server does not share
+Starts an echo replica (``loadtest/echo_replica.py``, stand-alone) in a subprocess (its own process, so the server does not share
 the client's event loop), then sends Poisson arrivals at each requested rate through the same
 scheduler, client and measurement code as ``prefixmesh loadtest``, and prints the achieved
 request rate and how late requests left compared with their planned times (p50/p99/max).
@@ -35,7 +35,7 @@ def start_echo_subprocess(args: argparse.Namespace) -> tuple[subprocess.Popen[st
         [
             sys.executable,
             "-m",
-            "router.echo_replica",
+            "loadtest.echo_replica",
             "--tokens-per-message",
             str(args.tokens_per_message),
         ],

@@ -1,6 +1,6 @@
 """Stop-string matching on streamed text, shared by the replica engine and the echo replica.
 
-Torch-free (no imports at all), so ``router/echo_replica.py`` holds text back exactly as a real
+Torch-free (no imports at all), so ``loadtest/echo_replica.py`` holds text back exactly as a real
 replica does and checks ``resume_text_chars`` the same way (:func:`unsent_text`).
 """
 

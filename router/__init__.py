@@ -4,7 +4,7 @@ Modules: ``config`` (flags/env), ``discovery`` (replica view from Redis leases),
 (the Lua prefix lookup and router-owned Redis keys), ``fastredis`` (the lookup's pipelined
 connection), ``prompt`` (token ids and block hashes), ``policy`` (routing policies),
 ``routing`` (lookup and decide), ``forward`` (streaming with retry and failover), ``metrics``
-(Prometheus + Cluster statistics), ``server`` (gRPC servicers, ``main``), ``bench`` (router
-overhead benchmark), ``echo_replica`` (the one model-free echo server: a replica for the
-router's tests and benchmark, and the load tester's stand-alone target).
+(Prometheus + Cluster statistics) and ``server`` (gRPC servicers, ``main``). Its measuring
+tools live with the load tester: ``loadtest/router_bench.py`` (the router overhead benchmark) and
+``loadtest/echo_replica.py`` (the model-free echo server its tests and benchmark route to).
 """

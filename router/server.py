@@ -228,7 +228,7 @@ async def serve(config: RouterConfig) -> None:
     await server.start()
     # The process's long-lived objects (modules, protobuf and gRPC state, the router's own) are
     # built: out of the collector's way, so a collection on the request path walks only what
-    # requests allocate (a full one took ~27 ms in router.bench before).
+    # requests allocate (a full one took ~27 ms in loadtest.router_bench before).
     gc.collect()
     gc.freeze()
     print(f"router listening on {config.host}:{server.port}", flush=True)

@@ -1,8 +1,8 @@
 """The test harness: real Redis and real processes on 127.0.0.1, and a tiny model.
 
-Built on what ``prefixmesh up`` itself runs: Redis is ``prefixmesh.cli.redis_server``'s
+Built on what ``prefixmesh up`` itself runs: Redis is ``prefixmesh.redis_server``'s
 ``EmbeddedRedis``, and every child process (``Proc``) is started and stopped by
-``prefixmesh.cli.procs``' ``Supervisor``: its own process group, no orphan left behind if
+``prefixmesh.procs``' ``Supervisor``: its own process group, no orphan left behind if
 pytest dies, SIGTERM then SIGKILL after a grace period, its output kept for failure messages.
 """
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import grpc
 
-from prefixmesh.cli.procs import LogSink, ProcessSpec, Supervisor, wait_serving
-from prefixmesh.cli.redis_server import EmbeddedRedis
 from prefixmesh.ports import free_port
+from prefixmesh.procs import LogSink, ProcessSpec, Supervisor, wait_serving
+from prefixmesh.redis_server import EmbeddedRedis
 
 __all__ = [
     "CLI", "EmbeddedRedis", "Proc", "free_port", "start_redis", "stop_all", "wait_until",

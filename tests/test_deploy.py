@@ -21,7 +21,7 @@ import yaml
 from helpers import Proc, free_port, stop_all
 from packaging.requirements import Requirement
 
-from prefixmesh.cli.redis_server import find_redis_server, wait_for_redis
+from prefixmesh.redis_server import find_redis_server, wait_for_redis
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

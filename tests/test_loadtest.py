@@ -273,7 +273,7 @@ def test_closed_loop_concurrency_and_time_bounds() -> None:
 @pytest.fixture(scope="module")
 def echo_target() -> Iterator[str]:
     address = f"127.0.0.1:{free_port()}"
-    echo = Proc("echo", [sys.executable, "-m", "router.echo_replica", "--tokens-per-message", "2",
+    echo = Proc("echo", [sys.executable, "-m", "loadtest.echo_replica", "--tokens-per-message", "2",
                          "--port", address.rsplit(":", 1)[1]])  # fmt: skip
     try:
         wait_until([echo], lambda: echo.logs() == address, "echo replica", 30.0)  # it serves

@@ -1,6 +1,6 @@
 """The router end to end in one process: real Redis, real gRPC, echo replicas (no model).
 
-Echo replicas (router/echo_replica.py) speak the replica API and Redis contract and generate a
+Echo replicas (loadtest/echo_replica.py) speak the replica API and Redis contract and generate a
 deterministic sequence, so routing, failover and resume can be checked exactly and fast. The
 same scenarios against real replica processes are in test_router_cluster.py.
 """
@@ -24,10 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import free_port, start_redis
 
+from loadtest.echo_replica import EchoReplica, expected_output, token_text
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig, parse_config
-from router.echo_replica import EchoReplica, expected_output, token_text
 from router.routing import Router
 from router.server import RouterServer
 
@@ -96,7 +96,7 @@ def tokens_of(responses: list[pb.GenerateResponse]) -> list[int]:
 
 def test_router_server_imports_no_torch() -> None:
     code = (
-        "import sys, router.server, router.bench, router.echo_replica, prefixmesh.openai.doors;"
+        "import sys, router.server, loadtest.router_bench, loadtest.echo_replica, prefixmesh.openai.doors;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -639,11 +639,11 @@ def test_bookkeeping_waits_for_account_and_runs_once(redis_server: str) -> None:
 
 
 def test_router_bench_runs_a_baseline_checkout_in_the_same_rotation(tmp_path: Path) -> None:
-    """``python -m router.bench --baseline DIR`` (here: this checkout against itself) reports
+    """``python -m loadtest.router_bench --baseline DIR`` (here: this checkout against itself) reports
     the baseline router's overhead and histograms beside the router under test."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "router.bench", "--map-source", "mirror", "--requests", "5",
+        [sys.executable, "-m", "loadtest.router_bench", "--map-source", "mirror", "--requests", "5",
          "--seconds", "0.2", "--concurrency", "2", "--baseline", str(ROOT), "--json", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip

@@ -122,12 +122,23 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "kernels": set(),
     "prefixmesh": {"proto"},  # the shared library (torch-free)
     "prefixmesh.openai": {"prefixmesh", "proto"},
-    "prefixmesh.cli": {"prefixmesh", "proto"},  # commands are imported by name, lazily
+    # On top of everything: each command's module is imported lazily, inside its function.
+    "prefixmesh.cli": {
+        "prefixmesh",
+        "prefixmesh.openai",
+        "proto",
+        "kernels",
+        "replica",
+        "replica.server",
+        "replica.bench",
+        "router",
+        "loadtest",
+    },
     "replica": {"prefixmesh", "kernels"},  # the engine: no grpc, no Redis
     # Its benchmarks: ``fetch`` runs two replica servers, so it reaches into replica.server.
     "replica.bench": {"replica", "replica.server", "prefixmesh", "proto", "kernels"},
     "replica.server": {"replica", "prefixmesh", "prefixmesh.openai", "proto", "kernels"},
-    "router": {"prefixmesh", "prefixmesh.openai", "prefixmesh.cli", "proto"},  # no torch
+    "router": {"prefixmesh", "prefixmesh.openai", "proto"},  # no torch
     "loadtest": {"prefixmesh", "proto", "router"},  # router: the simulator replays its policies
 }
 
@@ -151,6 +162,75 @@ def test_every_part_imports_only_what_the_map_allows() -> None:
         and part_of(target) not in ALLOWED_IMPORTS[part_of(module)]
     )
     assert not wrong, "imports outside docs/design.md's map:\n" + "\n".join(wrong)
+
+
+# The library floor: what the rest of the house stands on. It imports only the wire contract.
+LIBRARY_FLOOR = ("prefixmesh", "prefixmesh.openai")
+# The CLI's commands, each imported lazily by its function in prefixmesh/cli/__init__.py.
+CLI_COMMAND_MODULES = {
+    "prefixmesh.cli.up",
+    "prefixmesh.cli.generate",
+    "prefixmesh.cli.top",
+    "replica.server",
+    "router.server",
+    "loadtest.cli",
+    "replica.bench",
+}
+# Imports hidden in strings (importlib, __import__), which no import graph sees. Each one here is
+# a debt: replica/bench imports its benchmarks by name from its BENCHMARKS list.
+HIDDEN_IMPORTS_ALLOWED = {"replica/bench/__init__.py"}
+
+
+def test_the_graph_sees_every_cli_command() -> None:
+    """The CLI's lazy imports are plain imports, so they are edges of the graph like any other."""
+    assert CLI_COMMAND_MODULES <= import_graph()["prefixmesh.cli"]
+
+
+def test_the_cli_is_on_top_and_the_floor_imports_nothing_above_it() -> None:
+    graph = import_graph()
+    into_cli = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if part_of(module) != "prefixmesh.cli"
+        for target in targets
+        if part_of(target) == "prefixmesh.cli"
+    )
+    assert not into_cli, (
+        "only the CLI may import the CLI (move what they need into the library):\n"
+        + ("\n".join(into_cli))
+    )
+    above_floor = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if part_of(module) in LIBRARY_FLOOR
+        for target in targets
+        if part_of(target) not in (*LIBRARY_FLOOR, "proto")
+    )
+    assert not above_floor, "the library floor imports what stands on it:\n" + "\n".join(
+        above_floor
+    )
+
+
+def hidden_imports() -> set[str]:
+    """Files that import a module named in a string (``importlib.import_module``,
+    ``__import__``): edges the import graph cannot see."""
+    found = set()
+    for path in _python_files(PACKAGES):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            func = node.func if isinstance(node, ast.Call) else None
+            name = getattr(func, "attr", None) or getattr(func, "id", None)
+            if name in ("import_module", "__import__"):
+                found.add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_no_import_is_hidden_in_a_string() -> None:
+    hidden = hidden_imports() - HIDDEN_IMPORTS_ALLOWED
+    assert not hidden, "import these modules by a plain (lazy if need be) import:\n" + "\n".join(
+        sorted(hidden)
+    )
+    stale = HIDDEN_IMPORTS_ALLOWED - hidden_imports()
+    assert not stale, f"no hidden import left: remove from HIDDEN_IMPORTS_ALLOWED: {sorted(stale)}"
 
 
 def test_no_import_circles() -> None:

@@ -261,7 +261,7 @@ def test_up_serves_every_door_over_tls(tiny_model_dir: Path, tmp_path: Path):
 
     from helpers import free_port, wait_until
 
-    from prefixmesh.cli.procs import wait_serving
+    from prefixmesh.procs import wait_serving
 
     pki = make_pki(tmp_path)
     port, http_port = free_port(), free_port()

@@ -22,7 +22,7 @@ import pytest
 from helpers import free_port
 
 from prefixmesh.cli import up as up_cli
-from prefixmesh.cli.procs import LogSink, ProcessSpec, Supervisor, wait_serving
+from prefixmesh.procs import LogSink, ProcessSpec, Supervisor, wait_serving
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -243,7 +243,7 @@ def test_supervisor_sets_a_spec_env_on_top_of_its_own(monkeypatch) -> None:
 
 
 def _exited_child(name: str, critical: bool = False):  # noqa: ANN202
-    from prefixmesh.cli.procs import Child
+    from prefixmesh.procs import Child
 
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()

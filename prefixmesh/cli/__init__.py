@@ -1,27 +1,96 @@
-"""``prefixmesh <command> [flags]``: one entry point, each command in its own module."""
+"""``prefixmesh <command> [flags]``: one entry point on top of the whole code base.
+
+The CLI is the one room above every other: it may import the router, the replica, the load
+tester and the benchmarks, and nothing imports it (``tests/test_structure.py`` checks both).
+
+Adding a command: write a function that imports the command's module *inside its body* (a
+plain ``from ... import main``, so the structure test and any import-graph tool see the edge,
+and ``prefixmesh router`` never imports torch), calls its ``main(argv)`` and returns the exit
+status; then add one line to ``COMMANDS``::
+
+    def _tune(argv: list[str]) -> int:
+        from replica.tune import main
+
+        return main(argv)
+
+    COMMANDS["tune"] = Command(_tune, "pick engine settings for this machine")
+
+No ``importlib`` and no module names in strings: an import nobody can see is a layering rule
+nobody can check.
+"""
 
 from __future__ import annotations
 
-import importlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-# command -> (module, one-line help). Modules are imported lazily so that the router's commands
-# never import torch.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("prefixmesh.cli.up", "run Redis, N replicas and the router on this machine"),
-    "replica": ("replica.server", "serve one model replica over gRPC"),
-    "router": ("router.server", "serve the KV-cache-aware router over gRPC"),
-    "generate": ("prefixmesh.cli.generate", "send one prompt to the router and stream the answer"),
-    "top": ("prefixmesh.cli.top", "live view of every replica's hit rate and load"),
-    "loadtest": ("loadtest.cli", "replay traces or synthetic workloads against the cluster"),
-    "bench": ("replica.bench", "offline throughput benchmark of the replica engine"),
+
+@dataclass(frozen=True)
+class Command:
+    """One ``prefixmesh`` command: the function that runs it and its one-line help."""
+
+    run: Callable[[list[str]], int | None]
+    help: str
+
+
+def _up(argv: list[str]) -> int | None:
+    from prefixmesh.cli.up import main
+
+    return main(argv)
+
+
+def _replica(argv: list[str]) -> int | None:
+    from replica.server import main
+
+    return main(argv)
+
+
+def _router(argv: list[str]) -> int | None:
+    from router.server import main
+
+    return main(argv)
+
+
+def _generate(argv: list[str]) -> int | None:
+    from prefixmesh.cli.generate import main
+
+    return main(argv)
+
+
+def _top(argv: list[str]) -> int | None:
+    from prefixmesh.cli.top import main
+
+    return main(argv)
+
+
+def _loadtest(argv: list[str]) -> int | None:
+    from loadtest.cli import main
+
+    return main(argv)
+
+
+def _bench(argv: list[str]) -> int | None:
+    from replica.bench import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Command] = {
+    "up": Command(_up, "run Redis, N replicas and the router on this machine"),
+    "replica": Command(_replica, "serve one model replica over gRPC"),
+    "router": Command(_router, "serve the KV-cache-aware router over gRPC"),
+    "generate": Command(_generate, "send one prompt to the router and stream the answer"),
+    "top": Command(_top, "live view of every replica's hit rate and load"),
+    "loadtest": Command(_loadtest, "replay traces or synthetic workloads against the cluster"),
+    "bench": Command(_bench, "offline throughput benchmark of the replica engine"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: prefixmesh <command> [flags]   (prefixmesh <command> --help)", ""]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<10} {command.help}" for name, command in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -47,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"prefixmesh: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return int(COMMANDS[name].run(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixmesh.auth import API_KEY_ENV, bearer_metadata, client_api_key
-from prefixmesh.cli.procs import (
+from prefixmesh.ports import port_picker
+from prefixmesh.procs import (
     Child,
     LogSink,
     ProcessSpec,
@@ -36,8 +37,7 @@ from prefixmesh.cli.procs import (
     describe_exit,
     wait_serving,
 )
-from prefixmesh.cli.redis_server import find_redis_server, redis_command, wait_for_redis
-from prefixmesh.ports import port_picker
+from prefixmesh.redis_server import find_redis_server, redis_command, wait_for_redis
 from prefixmesh.tls import TlsFiles
 from prefixmesh.tls import channel as tls_channel
 

@@ -1,4 +1,5 @@
-"""Child-process supervision for ``prefixmesh up``: prefixed logs, health waits, clean shutdown.
+"""Child-process supervision for ``prefixmesh up``, the tests and the benchmarks: prefixed logs,
+health waits, clean shutdown.
 
 Each child runs in its own session (process group), so a Ctrl-C in the terminal reaches only
 ``up``, which then stops the children in order (router, replicas, Redis): SIGTERM to the group,

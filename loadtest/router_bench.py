@@ -1,6 +1,6 @@
-"""Router overhead benchmark: ``python -m router.bench``.
+"""Router overhead benchmark: ``python -m loadtest.router_bench``.
 
-Starts Redis, echo replicas (instant, model-free: router/echo_replica.py, in their own process)
+Starts Redis, echo replicas (instant, model-free: loadtest/echo_replica.py, in their own process)
 and one router process, then measures from this (client) process:
 
 1. Time to first token through the router minus direct to a replica, p50 and p99, over
@@ -37,8 +37,8 @@ from pathlib import Path
 import grpc
 
 from prefixmesh import event_loop
-from prefixmesh.cli.redis_server import EmbeddedRedis
 from prefixmesh.ports import free_ports
+from prefixmesh.redis_server import EmbeddedRedis
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
@@ -299,7 +299,7 @@ def _start_router(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m router.bench",
+        prog="python -m loadtest.router_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -371,12 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[str]] = []
     with EmbeddedRedis() as redis:
         try:
-            echo = _start([sys.executable, "-m", "router.echo_replica", "--redis", redis.url,
+            echo = _start([sys.executable, "-m", "loadtest.echo_replica", "--redis", redis.url,
                            "--count", str(args.replicas)], env)  # fmt: skip
             procs.append(echo)
             assert echo.stdout is not None
             addresses = echo.stdout.readline().split()  # the replicas are registered
-            proxy = _start([sys.executable, "-m", "router.bench", "--serve-passthrough",
+            proxy = _start([sys.executable, "-m", "loadtest.router_bench", "--serve-passthrough",
                             addresses[0]], env)  # fmt: skip
             procs.append(proxy)
             assert proxy.stdout is not None

@@ -15,8 +15,8 @@ one-replica cluster, so the load tester's cluster-delta and ``--compare`` paths 
 router. ``tokens_per_message`` batches tokens into fewer messages (the load tester's overhead
 benchmark varies it).
 
-    python -m router.echo_replica --redis URL --count 3      # echo replicas behind a router
-    python -m router.echo_replica --port 50099                # a stand-alone load-test target
+    python -m loadtest.echo_replica --redis URL --count 3      # echo replicas behind a router
+    python -m loadtest.echo_replica --port 50099                # a stand-alone load-test target
 """
 
 from __future__ import annotations
@@ -372,9 +372,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m router.echo_replica``: echo replicas in one process, until killed."""
+    """``python -m loadtest.echo_replica``: echo replicas in one process, until killed."""
     parser = argparse.ArgumentParser(
-        prog="python -m router.echo_replica",
+        prog="python -m loadtest.echo_replica",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
