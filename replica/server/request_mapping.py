@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefixmesh.prompt_ids import prompt_token_ids
 from prefixmesh.stop_strings import unsent_text
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
@@ -16,8 +17,6 @@ from replica.detokenizer import resumed_text
 from replica.engine_request import EngineRequest
 from replica.outputs import StepOutput
 from replica.sampling_params import SamplingParams
-
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 # Proto optional fields that map one to one onto SamplingParams (unset = the engine default).
 _OPTIONAL_FIELDS = (
@@ -56,37 +55,6 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=sp.include_stop_str_in_output,
         **kwargs,
     )
-
-
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt as token ids, tokenized exactly as the engine would tokenize it."""
-    kind = request.WhichOneof("input")
-    if kind is None:
-        raise ValueError("input is required: set one of text, token_ids or chat")
-    if kind == "text":
-        if not request.text:
-            raise ValueError("text must not be empty")
-        return tokenizer.encode(request.text)
-    if kind == "token_ids":
-        ids = list(request.token_ids.ids)
-        if not ids:
-            raise ValueError("token_ids.ids must not be empty")
-        return ids
-    chat = request.chat
-    if not chat.messages:
-        raise ValueError("chat.messages must not be empty")
-    messages = []
-    for i, message in enumerate(chat.messages):
-        if message.role not in CHAT_ROLES:
-            raise ValueError(
-                f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)} "
-                f"(got {message.role!r})"
-            )
-        messages.append({"role": message.role, "content": message.content})
-    add_generation_prompt = (
-        chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    )
-    return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
 
 
 def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
@@ -136,7 +104,7 @@ def engine_request(
         prompt=ids + resumed,
         params=params,
         priority=request.priority,
-        cache_salt=request.cache_salt or None,
+        cache_salt=request.cache_salt,
         arrival_time=arrival_time,
         unsent_text=unsent,
     )
