@@ -360,9 +360,7 @@ class LLMEngine:
         return dropped
 
     # ------------------------------------------------------------------ KV transfer
-    def pin_prefix(
-        self, hashes: list[BlockHash], cache_salt: str | None, start: int = 0
-    ) -> PinnedBlocks:
+    def pin_prefix(self, hashes: list[BlockHash], cache_salt: str, start: int = 0) -> PinnedBlocks:
         """Reference the leading blocks of ``hashes`` held here whose tokens chain to them
         from ``cache_salt``'s root, from block ``start`` on, so they stay put while a peer
         reads them (none when the chain breaks before ``start``)."""
@@ -378,9 +376,7 @@ class LLMEngine:
         token_ids = [t for t in tokens[start:n] if t is not None]
         return PinnedBlocks(pin_id, blocks, list(hashes[start:n]), token_ids)
 
-    def pin_chains(
-        self, wanted: list[BlockHash], cache_salt: str | None, limit: int
-    ) -> PinnedBlocks:
+    def pin_chains(self, wanted: list[BlockHash], cache_salt: str, limit: int) -> PinnedBlocks:
         """Reference, for a peer's warm start, the whole chain of each ``wanted`` block held
         here whose tokens chain to it from ``cache_salt``'s root, parents first, each block
         once, at most ``limit`` blocks."""

@@ -678,3 +678,33 @@ def test_published_block_events_keep_the_cached_set_exact_when_a_step_recomputes
     run_until_done(engine, "d")
     assert mirror == engine.cached_block_hashes()
     engine.check_integrity()
+
+
+def test_prompt_hashed_once_when_the_record_carries_its_hashes(tiny_model_dir, monkeypatch):
+    """The server hashes a prompt's blocks once (for the fetch decision) and passes them in the
+    record: the scheduler hashes only the blocks generated after it, and the output and the
+    prefix cache are those of a request that came without hashes."""
+    import prefixmesh.hashing as hashing
+    import replica.scheduler as scheduler_module
+
+    llm = make_llm(tiny_model_dir, block_size=16)
+    engine = llm.engine
+    ids = random_prompts(1, (70, 70), seed=3)[0]
+    want = run_greedy(llm, [ids])[0]
+    engine.reset_prefix_cache()
+    hashed: list[int] = []  # block indexes the scheduler hashed
+
+    def counting(hashes, token_ids, block_size, model_id, cache_salt=None):
+        hashed.extend(range(len(hashes), len(token_ids) // block_size))
+        return hashing.extend_block_hashes(hashes, token_ids, block_size, model_id, cache_salt)
+
+    monkeypatch.setattr(scheduler_module, "extend_block_hashes", counting)
+    record = EngineRequest("r", ids, GREEDY, cache_salt="s")
+    record.block_hashes = engine.prompt_block_hashes(ids, "s")
+    assert len(record.block_hashes) == 70 // 16
+    engine.add(record)
+    got, _ = run_until_done(engine, "r")
+    engine.check_integrity()
+    assert got == want
+    assert hashed and min(hashed) == 70 // 16  # never a prompt block again
+    assert set(engine.cached_block_hashes()) >= set(record.block_hashes)

@@ -102,7 +102,7 @@ class BlockService:
     ) -> AsyncIterator[pb.KVBlock]:
         await self.check(request, context)
         hashes = list(request.block_hashes)
-        salt = request.cache_salt or None
+        salt = request.cache_salt
         if request.any_order:  # warm start: whole chains of the wanted blocks, parents first
             pinned = await self.loop.call_now(lambda e: e.pin_chains(hashes, salt, len(hashes)))
         else:

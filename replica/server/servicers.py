@@ -139,7 +139,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             return 0
         hint = request.fetch_hint if request.HasField("fetch_hint") else None
         try:
-            return await self.fetcher.fetch(req.prompt_token_ids, req.engine.cache_salt, hint)
+            return await self.fetcher.fetch(req.engine, hint)
         except Exception:
             log.exception("fetch from a peer failed; prefilling instead")
             return 0
