@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefixmesh.limits import check_context
 from prefixmesh.prompt_ids import prompt_token_ids
 from prefixmesh.stop_strings import unsent_text
 from prefixmesh.tokenizer import Tokenizer
@@ -57,6 +58,22 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
     )
 
 
+def context_budget(
+    sp: pb.SamplingParams, params: SamplingParams, num_prompt_tokens: int, max_model_len: int
+) -> int:
+    """The output budget, whole (resumed tokens included, so before they are subtracted): with
+    ``fit_context`` ``max_tokens`` shrinks to the room the prompt leaves; a ``max_tokens`` the
+    client set must fit (``check_context``); the default is left to stop at the context."""
+    if sp.fit_context:
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            check_context(num_prompt_tokens, params.max_tokens, max_model_len)  # names it
+        return min(params.max_tokens, room)
+    if sp.HasField("max_tokens"):
+        check_context(num_prompt_tokens, params.max_tokens, max_model_len)
+    return params.max_tokens
+
+
 def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
@@ -70,15 +87,19 @@ def engine_request(
     *,
     request_id: str = "",
     arrival_time: float | None = None,
+    max_model_len: int | None = None,
 ) -> MappedRequest:
     """Validate and convert a request; ``ValueError`` names the first bad field.
 
     ``request_id`` is the engine's id for it (unique in the engine; the client's may collide).
+    With ``max_model_len`` (a server's), the output budget is settled against the context.
     """
     params = sampling_params(request.sampling)
     ids = prompt_token_ids(request, tokenizer)
     if request.WhichOneof("input") == "token_ids":
         _check_ids("token_ids.ids", ids, vocab_size)
+    if max_model_len is not None:
+        params.max_tokens = context_budget(request.sampling, params, len(ids), max_model_len)
     resumed = list(request.resume_token_ids)
     _check_ids("resume_token_ids", resumed, vocab_size)
     if resumed:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from prefixmesh.hashing import HASH_SCHEME
-from prefixmesh.limits import RequestLimits, abort_busy, check_context, check_request
+from prefixmesh.limits import RequestLimits, abort_busy, check_request
 from prefixmesh.tenants import TenantBusy, TenantLimiter, Ticket, tenant_of_call
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
@@ -90,11 +90,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             check_request(request, self.limits)  # prefixmesh/limits.py: bounded requests
             req = engine_request(
                 request, self.model.tokenizer, self.model.vocab_size,
-                request_id=engine_id, arrival_time=arrival,
+                request_id=engine_id, arrival_time=arrival, max_model_len=self.model.max_model_len,
             )  # fmt: skip
-            if request.sampling.HasField("max_tokens"):
-                max_tokens = req.engine.params.max_tokens + req.num_resumed
-                check_context(req.num_prompt_tokens, max_tokens, self.model.max_model_len)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if admission.queue_full():
