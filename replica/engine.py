@@ -24,7 +24,7 @@ from replica.allocator import keep_freed_memory
 from replica.block_manager import BlockManager, HostBlockPool, NoFreeBlocksError
 from replica.config import EngineConfig
 from replica.engine_request import EngineRequest
-from replica.kv_transfer import FetchedBlocks, PinnedBlocks, chained_prefix
+from replica.fetch.transfer import FetchedBlocks, PinnedBlocks, chained_prefix
 from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
 from replica.output_processor import OutputProcessor

@@ -30,13 +30,13 @@ from prefixmesh.hashing import BlockHash, hash_block, root_hash
 from prefixmesh.tls import TlsFiles, aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from replica.kv_transfer import FetchedBlocks, layer_tensor
+from replica.fetch.transfer import FetchedBlocks, layer_tensor
 
 if TYPE_CHECKING:
     import torch
 
     from replica.engine_request import EngineRequest
-    from replica.server.block_service import KVLayout
+    from replica.fetch.layout import KVLayout
     from replica.server.engine_loop import EngineLoop
     from replica.server.metrics import ReplicaMetrics
 
