@@ -103,8 +103,8 @@ def tokenize(
     kind = request.WhichOneof("input")
     for group in set(view.tokenizers) | set(view.model_ids):
         tokenizer = view.tokenizers.get(group)
-        if kind == "token_ids" and token_ids is not None:
-            ids = token_ids
+        if kind == "token_ids":  # taken as they are, even empty: the replica says what is wrong
+            ids = request.token_ids.ids[:] if token_ids is None else token_ids
         else:
             try:
                 ids = prompt_token_ids(request, tokenizer)
