@@ -287,7 +287,7 @@ class LLMEngine:
             self.host_pool.release(sched.host_blocks_to_free)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.scheduler.cache_computed_blocks(item.seq)
+            self.scheduler.prefix.cache_computed_blocks(item.seq)
 
         seqs: list[Sequence] = []
         rows: list[int] = []
@@ -465,7 +465,7 @@ class LLMEngine:
             h for s in self.scheduler.running + self.scheduler.waiting
             for h in s.block_hashes[: s.num_queued_hashes]
         )  # fmt: skip
-        assert queued == self.scheduler.queued_hashes, "queued hashes leaked or lost"
+        assert queued == self.scheduler.prefix.queued_hashes, "queued hashes leaked or lost"
         if self.host_pool is not None:
             self.host_pool.check_integrity(s.host_blocks for s in self.scheduler.waiting)
 

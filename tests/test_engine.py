@@ -620,7 +620,7 @@ def _waiting_on_a_queued_prefix(tiny_model_dir, share: float) -> tuple[list[int]
     engine.check_integrity()
     got, cached = run_until_done(engine, "w2")
     engine.check_integrity()
-    assert not engine.scheduler.queued_hashes and engine.block_manager.num_kept_hashes == 0
+    assert not engine.scheduler.prefix.queued_hashes and engine.block_manager.num_kept_hashes == 0
     return got, cached, solo
 
 
@@ -685,7 +685,7 @@ def test_prompt_hashed_once_when_the_record_carries_its_hashes(tiny_model_dir, m
     record: the scheduler hashes only the blocks generated after it, and the output and the
     prefix cache are those of a request that came without hashes."""
     import prefixmesh.hashing as hashing
-    import replica.scheduler as scheduler_module
+    import replica.prefix_tracker as scheduler_module
 
     llm = make_llm(tiny_model_dir, block_size=16)
     engine = llm.engine

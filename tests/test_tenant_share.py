@@ -61,7 +61,7 @@ class Harness:
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.sched.cache_computed_blocks(seq)
+            self.sched.prefix.cache_computed_blocks(seq)
             plan.append((seq.request.request_id, item.num_new_tokens))
             if seq.num_computed_tokens == seq.num_tokens:  # logits: one token sampled
                 seq.token_ids.append(self.rng.randrange(5, 400))
