@@ -615,8 +615,7 @@ class Simulation:
         self.content = RoutedContent(content_window)  # the router's count, for cold_by content
         bs = model.block_size
         self.reqs = [
-            SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt or None))
-            for r in requests
+            SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt)) for r in requests
         ]
         for r in self.reqs:
             for a, b in itertools.pairwise(r.hashes):
