@@ -97,7 +97,7 @@ class LruBlockCache:
 
 
 def request_hashes(r: LoadRequest, block_size: int) -> list[bytes]:
-    return block_hashes(r.token_ids, block_size, _MODEL_ID, r.cache_salt or None)
+    return block_hashes(r.token_ids, block_size, _MODEL_ID, r.cache_salt)
 
 
 def ceiling(

@@ -37,6 +37,7 @@ from prefixmesh import event_loop, kv_events
 from prefixmesh import redis_layout as layout
 from prefixmesh.auth import ApiKeyInterceptor
 from prefixmesh.hashing import HASH_SCHEME, block_hashes
+from prefixmesh.prompt_ids import prompt_token_ids
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from prefixmesh.stop_strings import StopStringMatcher, unsent_text
 from proto import prefixmesh_pb2 as pb
@@ -198,7 +199,7 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
     def _admit(self, prompt: list[int], context_ids: list[int], salt: str) -> int:
         """Record a request's blocks; return its cached prompt tokens as a replica counts them:
         whole leading blocks it held, never the last token of the context (it needs logits)."""
-        hashes = block_hashes(context_ids, self.block_size, self.model, salt or None)
+        hashes = block_hashes(context_ids, self.block_size, self.model, salt)
         usable = (len(context_ids) - 1) // self.block_size
         hit = 0
         while hit < usable and hashes[hit] in self.cached:
@@ -212,17 +213,6 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
 
     # -- Generator ----------------------------------------------------------------------------
 
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("input")
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
-        if self.tokenizer is None:
-            raise ValueError("echo replica without tokenizer: send token_ids")
-        if kind == "text":
-            return self.tokenizer.encode(request.text)
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        return self.tokenizer.encode_chat(messages)
-
     async def Generate(  # noqa: N802
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -230,7 +220,7 @@ class EchoReplica(pb_grpc.GeneratorServicer, pb_grpc.ReplicaServicer):
         if self.reject_with is not None:
             await context.abort(self.reject_with, f"echo replica rejects ({self.reject_with.name})")
         try:
-            prompt = self._prompt(request)
+            prompt = prompt_token_ids(request, self.tokenizer)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         resumed = list(request.resume_token_ids)

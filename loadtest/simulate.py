@@ -94,7 +94,7 @@ class EngineModel:
     step_s: float = 0.02
     prefill_s: float = 0.002  # per prefilled token
     decode_s: float = 0.01  # per decoding sequence
-    # Fetch-on-miss (replica/server/peer_fetch.py), off unless --fetch: the chosen replica
+    # Fetch-on-miss (replica/fetch/client.py), off unless --fetch: the chosen replica
     # copies the leading blocks a peer holds beyond its own when that beats prefilling them.
     fetch: bool = False
     fetch_s_per_block: float = 0.002  # SmolLM2 bf16: 370 KB a block at ~200 MB/s
@@ -615,8 +615,7 @@ class Simulation:
         self.content = RoutedContent(content_window)  # the router's count, for cold_by content
         bs = model.block_size
         self.reqs = [
-            SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt or None))
-            for r in requests
+            SimRequest(r, block_hashes(r.token_ids, bs, _MODEL, r.cache_salt)) for r in requests
         ]
         for r in self.reqs:
             for a, b in itertools.pairwise(r.hashes):

@@ -17,7 +17,6 @@ into 429 with a ``Retry-After`` header.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,14 +144,6 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
             f"context of {max_model_len} tokens (max_model_len): "
             + (f"ask for at most {room} tokens" if room > 0 else "shorten the prompt")
         )
-
-
-def room_from_error(details: str) -> int | None:
-    """The ``max_model_len - prompt`` a ``check_context`` error announces, if positive."""
-    match = re.search(r"ask for at most (\d+) tokens", details)
-    if match is None or not details.startswith("max_tokens="):
-        return None
-    return int(match.group(1))
 
 
 def retry_metadata(retry_after_s: float) -> tuple[tuple[str, str], ...]:

@@ -18,20 +18,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.cpu_flags import cpu_flags
-from prefixmesh.hashing import BlockHash
-from prefixmesh.tenants import DEFAULT_TENANT
+from prefixmesh.hashing import BlockHash, block_hashes
 from prefixmesh.tokenizer import Tokenizer
 from replica.allocator import keep_freed_memory
 from replica.block_manager import BlockManager, HostBlockPool, NoFreeBlocksError
 from replica.config import EngineConfig
 from replica.engine_request import EngineRequest
-from replica.kv_transfer import FetchedBlocks, PinnedBlocks, chained_prefix
+from replica.fetch.transfer import FetchedBlocks, PinnedBlocks, chained_prefix
 from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
 from replica.output_processor import OutputProcessor
 from replica.outputs import StepOutput
 from replica.sampler import Sampler
-from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
 from replica.sequence import Request, Sequence
 
@@ -166,73 +164,58 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
-        """Queue one ``EngineRequest`` (the server's path); the checks of ``add_request``."""
-        r = request
-        self.add_request(
-            r.request_id, r.prompt, r.params, priority=r.priority, cache_salt=r.cache_salt,
-            arrival_time=r.arrival_time, unsent_text=r.unsent_text, tenant=r.tenant,
-        )  # fmt: skip
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
-        unsent_text: str = "",
-        tenant: str | None = None,
-    ) -> None:
-        """Queue a request; raises ``ValueError`` naming the bad field.
-
-        ``unsent_text`` is text of the prompt's tail that the client has not received yet
-        (tokens an earlier replica generated, whose text it held back for a possible stop
-        string): it comes first in the first output, through the stop-string matcher.
-        ``tenant`` is whom fair scheduling charges it to (default: ``cache_salt``, else
-        ``default``).
+        """Queue one request, the only way in (the server and ``LLM`` both build the record);
+        raises ``ValueError`` naming the bad field. The engine keeps the record: do not reuse it.
         """
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        params = request.params
         params.validate()
+        token_ids = self._prompt_token_ids(request.prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, longer than the model's context "
+                f"(max_model_len={self.max_model_len}, which includes at least one output token)"
+            )
+        if request.unsent_text and params.n != 1:
+            raise ValueError(f"unsent_text needs n == 1 (got n={params.n})")
+        arrival = request.arrival_time
+        record = Request(request, token_ids, time.monotonic() if arrival is None else arrival)
+        seq = self._new_sequence(record, 0, list(token_ids), len(token_ids))
+        if request.block_hashes:
+            assert len(request.block_hashes) <= len(token_ids) // self.block_size
+            seq.block_hashes = list(request.block_hashes)  # hashed once, by the server
+        self._requests[request.request_id] = record
+        self._prompt_tokens += len(token_ids)
+        self.scheduler.add(seq)
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
-            text, token_ids = None, list(prompt)
+            token_ids = list(prompt)
             vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt_token_ids must be in [0, {vocab}) (got {bad[0]!r})")
         if not token_ids:
             raise ValueError("prompt must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens, longer than the model's context "
-                f"(max_model_len={self.max_model_len}, which includes at least one output token)"
-            )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a string")
-        if unsent_text and params.n != 1:
-            raise ValueError(f"unsent_text needs n == 1 (got n={params.n})")
-        request = Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=params,
-            priority=priority,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            cache_salt=cache_salt or None,
-            tenant=tenant or cache_salt or DEFAULT_TENANT,
-            unsent_text=unsent_text,
-        )
-        seq = self._new_sequence(request, 0, list(token_ids), len(token_ids))
-        self._requests[request_id] = request
-        self._prompt_tokens += len(token_ids)
-        self.scheduler.add(seq)
+        return token_ids
+
+    def prompt_block_hashes(self, token_ids: list[int], cache_salt: str) -> list[BlockHash]:
+        """The chained hashes of the prompt's full blocks, as this engine's prefix cache keys
+        them; a caller that needs them before ``add`` passes them on in the record."""
+        return block_hashes(token_ids, self.block_size, self.model_id, cache_salt)
+
+    def cached_prefix_blocks(self, hashes: list[BlockHash]) -> int:
+        """How many of these leading blocks the prefix cache holds (0 with caching off). Safe
+        from another thread: a stale answer only changes a fetch decision, and the dict reads
+        it makes are atomic under the GIL."""
+        if not self.block_manager.enable_prefix_caching:
+            return 0
+        return len(self.block_manager.match_prefix(hashes))
 
     def _new_sequence(
         self, request: Request, index: int, token_ids: list[int], num_prompt: int
@@ -304,7 +287,7 @@ class LLMEngine:
             self.host_pool.release(sched.host_blocks_to_free)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.scheduler.cache_computed_blocks(item.seq)
+            self.scheduler.prefix.cache_computed_blocks(item.seq)
 
         seqs: list[Sequence] = []
         rows: list[int] = []
@@ -377,9 +360,7 @@ class LLMEngine:
         return dropped
 
     # ------------------------------------------------------------------ KV transfer
-    def pin_prefix(
-        self, hashes: list[BlockHash], cache_salt: str | None, start: int = 0
-    ) -> PinnedBlocks:
+    def pin_prefix(self, hashes: list[BlockHash], cache_salt: str, start: int = 0) -> PinnedBlocks:
         """Reference the leading blocks of ``hashes`` held here whose tokens chain to them
         from ``cache_salt``'s root, from block ``start`` on, so they stay put while a peer
         reads them (none when the chain breaks before ``start``)."""
@@ -395,9 +376,7 @@ class LLMEngine:
         token_ids = [t for t in tokens[start:n] if t is not None]
         return PinnedBlocks(pin_id, blocks, list(hashes[start:n]), token_ids)
 
-    def pin_chains(
-        self, wanted: list[BlockHash], cache_salt: str | None, limit: int
-    ) -> PinnedBlocks:
+    def pin_chains(self, wanted: list[BlockHash], cache_salt: str, limit: int) -> PinnedBlocks:
         """Reference, for a peer's warm start, the whole chain of each ``wanted`` block held
         here whose tokens chain to it from ``cache_salt``'s root, parents first, each block
         once, at most ``limit`` blocks."""
@@ -486,7 +465,7 @@ class LLMEngine:
             h for s in self.scheduler.running + self.scheduler.waiting
             for h in s.block_hashes[: s.num_queued_hashes]
         )  # fmt: skip
-        assert queued == self.scheduler.queued_hashes, "queued hashes leaked or lost"
+        assert queued == self.scheduler.prefix.queued_hashes, "queued hashes leaked or lost"
         if self.host_pool is not None:
             self.host_pool.check_integrity(s.host_blocks for s in self.scheduler.waiting)
 

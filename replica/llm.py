@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
+from replica.engine_request import EngineRequest
 from replica.outputs import CompletionOutput, RequestOutput, StepOutput
 from replica.sampling_params import SamplingParams
 
@@ -47,8 +48,8 @@ class LLM:
         added = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = str(next(self._ids))
-            self.engine.add_request(
-                request_id, prompt, params, priority=priority[i] if priority else 0
+            self.engine.add(
+                EngineRequest(request_id, prompt, params, priority=priority[i] if priority else 0)
             )
             added.append((request_id, prompt))
         return added

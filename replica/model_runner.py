@@ -13,7 +13,7 @@ from kernels.interface import AttentionMetadata, kv_huge_pages, new_kv_cache
 from replica import config
 from replica.model import LlamaModel
 from replica.model_config import ModelConfig
-from replica.scheduler import SchedulerOutput
+from replica.scheduler_output import SchedulerOutput
 
 # The engine's dtype names (replica/config.py) as torch dtypes.
 DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}

@@ -13,56 +13,29 @@ where the device has memory of its own, by swapping its blocks out to a host poo
 With several tenants present, ``TenantShares`` (replica/tenant_share.py) orders admission by
 the tokens each tenant has been served and caps the prefill of tenants over their share.
 
-The result is a plain ``SchedulerOutput``; the model runner executes it.
+The result is a plain ``SchedulerOutput`` (replica/scheduler_output.py); the model runner
+executes it. The waiting queue, preemption and swap, and the prefix-cache bookkeeping are
+replica/waiting_queue.py, replica/preemption.py and replica/prefix_tracker.py.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
-from dataclasses import dataclass, field
-from itertools import islice
-
-from prefixmesh.hashing import extend_block_hashes
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
+from replica.preemption import Preemption
+from replica.prefix_tracker import PrefixTracker
+from replica.scheduler_output import ScheduledSeq, SchedulerOutput, SchedulerStats
 from replica.sequence import Sequence, SequenceStatus
 from replica.tenant_share import StepShares, TenantShares
+from replica.waiting_queue import WaitingQueue
 
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan: the packed batch in order (decodes first) and KV copies to do first."""
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), done first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), after copies
-    host_blocks_to_free: list[int] = field(default_factory=list)  # once swap_in has run
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
-    prefix_cache_hits: int = 0  # of which served from the cache
-    preemptions: int = 0
-    swapped_out: int = 0  # preemptions that swapped to the host pool
-    inflight_prefix_waits: int = 0  # steps a waiting sequence sat out for a prefix in flight
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
 class Scheduler:
-    """FCFS or priority scheduling over a token budget with chunked prefill and preemption."""
+    """FCFS or priority scheduling over a token budget with chunked prefill and preemption:
+    admission and chunking here; the waiting queue, preemption with swap and the prefix-cache
+    bookkeeping are its parts (``waiting``, ``preemption``, ``prefix``)."""
 
     def __init__(
         self,
@@ -73,73 +46,28 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.bm = block_manager
-        self.host_pool = host_pool  # None: preemption always recomputes
         self.block_size = block_manager.block_size
-        self.model_id = model_id
-        self.waiting: list[Sequence] = []  # sorted by _key
+        self.waiting = WaitingQueue(config.scheduling_policy)  # replica/waiting_queue.py
         self.running: list[Sequence] = []
-        # The cacheable prompt block hashes of every sequence added and not finished: blocks
-        # this replica will compute or has computed for a queued request (_keep_prefix).
-        self.queued_hashes: Counter = Counter()
         self.stats = SchedulerStats()
+        # Prefix-cache bookkeeping (replica/prefix_tracker.py) and preemption with swap
+        # (replica/preemption.py), over the same queues and counters.
+        self.prefix = PrefixTracker(config, block_manager, model_id)
+        self.preemption = Preemption(
+            config, block_manager, host_pool, self.running, self.waiting, self.prefix, self.stats
+        )
         self.shares: TenantShares | None = None
         if config.tenant_fairness:
             budget = config.max_num_batched_tokens
             chunk = config.tenant_prefill_chunk or max(self.block_size, budget // 4)
             self.shares = TenantShares(chunk, config.tenant_window_s, burst=budget)
 
-    def _key(self, seq: Sequence) -> tuple:
-        if self.config.scheduling_policy == "priority":
-            return (seq.priority, seq.arrival_time, seq.seq_id)
-        return (seq.arrival_time, seq.seq_id)
-
     # ------------------------------------------------------------------ queue changes
     def add(self, seq: Sequence) -> None:
         if self.shares is not None:
             self.shares.enter(seq.request.tenant)
-        self._keep_prefix(seq, ahead=self.queued_hashes)
-        if self.bm.enable_prefix_caching:
-            seq.num_queued_hashes = self._cacheable(seq)
-            self.queued_hashes.update(seq.block_hashes[: seq.num_queued_hashes])
-        self._requeue(seq)
-
-    def _keep_prefix(self, seq: Sequence, ahead: Counter | None = None) -> None:
-        """Mark the cached prefix of a sequence that starts to wait (arriving, or preempted by
-        recompute) as just used, and keep it while the kept blocks stay within
-        ``waiting_prefix_share`` of the pool. The router sent the request here because this
-        replica holds that prefix; while the request waits its turn, the running sequences'
-        new blocks evict cached blocks, and without this the prefix it came for could be
-        among them. The touch alone lasts only until the requests that arrive after it have
-        touched theirs: under a long queue the oldest waiting prefix, the one needed next, is
-        then the first to go (BlockManager.keep). With ``ahead`` (an arriving sequence: the
-        hashes of the requests queued before it) the kept prefix runs on over blocks not cached
-        yet that one of those requests will compute, as a burst's later requests wait on its
-        first; kept by hash, they are kept once computed and released."""
-        if not self.bm.enable_prefix_caching:
-            return
-        self.update_block_hashes(seq)
-        hashes = seq.block_hashes[: self._cacheable(seq)]
-        blocks = self.bm.match_prefix(hashes)
-        self.bm.touch(blocks)
-        self._release_kept(seq)
-        n = len(blocks)
-        if ahead:
-            while n < len(hashes) and hashes[n] in ahead:
-                n += 1
-        limit = self.config.waiting_prefix_share * self.bm.num_blocks
-        if n and self.bm.num_kept_hashes + n <= limit:
-            seq.kept_hashes = hashes[:n]
-            self.bm.keep(seq.kept_hashes)
-
-    def _release_kept(self, seq: Sequence) -> None:
-        """The sequence stops waiting: what it kept is evicted in turn again."""
-        if seq.kept_hashes:
-            self.bm.unkeep(seq.kept_hashes)
-            seq.kept_hashes = []
-
-    def _requeue(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=self._key)
+        self.prefix.enqueue(seq)
+        self.waiting.push(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one (parallel sampling)."""
@@ -156,53 +84,17 @@ class Scheduler:
             if self.shares is not None:
                 self.shares.leave(seq.request.tenant)
         seq.status = SequenceStatus.FINISHED
-        self._release_kept(seq)
-        queued = self.queued_hashes
-        for h in seq.block_hashes[: seq.num_queued_hashes]:
-            if queued[h] > 1:
-                queued[h] -= 1
-            else:
-                del queued[h]
-        seq.num_queued_hashes = 0
-        self._free(seq)
-
-    def _free(self, seq: Sequence) -> None:
-        self.bm.release(seq.block_table)
-        seq.block_table = []
-        seq.num_hashed_blocks = 0
-        if seq.host_blocks:
-            assert self.host_pool is not None
-            self.host_pool.release(seq.host_blocks)
-            seq.host_blocks = []
+        self.prefix.forget(seq)
+        self.preemption.free(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    # ------------------------------------------------------------------ prefix cache
-    def update_block_hashes(self, seq: Sequence) -> None:
-        extend_block_hashes(
-            seq.block_hashes, seq.token_ids, self.block_size, self.model_id,
-            seq.request.cache_salt,
-        )  # fmt: skip
-
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full of computed tokens in the prefix cache."""
-        num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= seq.num_hashed_blocks:
-            return
-        self.update_block_hashes(seq)
-        bs = self.block_size
-        for i in range(seq.num_hashed_blocks, num_full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = seq.block_hashes[i - 1] if i else None
-            self.bm.cache_block(seq.block_table[i], seq.block_hashes[i], tokens, parent)
-        seq.num_hashed_blocks = num_full
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         shares = None if self.shares is None else self.shares.plan(self.running + self.waiting)
-        self.running.sort(key=self._key)
+        self.running.sort(key=self.waiting.key)
         planned: dict[int, ScheduledSeq] = {}  # seq_id -> plan, in batch order
         budget = self.config.max_num_batched_tokens
         deferred: list[Sequence] = []  # prefills of tenants over their share: after the head's
@@ -210,7 +102,7 @@ class Scheduler:
         # Prompt blocks running sequences are prefilling: a waiting sequence that needs them
         # next sits this step out (its id goes to ``waits``) rather than compute them again.
         wait = self.config.wait_for_inflight_prefix
-        inflight = self._inflight_blocks(self.running) if wait else set()
+        inflight = self.prefix.inflight_blocks(self.running) if wait else set()
         waits: set[int] = set()
         # Admit waiting sequences only when no running one had to be preempted this step.
         if shares is None:
@@ -256,7 +148,7 @@ class Scheduler:
                 continue
             while not self._reserve(seq, num_new, out):
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self.preemption.preempt(victim, out)
                 if victim is seq:
                     break
             else:
@@ -289,7 +181,7 @@ class Scheduler:
                 idle = [s for s in self.running if s.seq_id not in planned and s is not seq]
                 if not idle:
                     break
-                self._preempt(max(idle, key=self._key), out)
+                self.preemption.preempt(max(idle, key=self.waiting.key), out)
             else:
                 planned[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= num_new
@@ -315,11 +207,11 @@ class Scheduler:
             seq = self._next_waiting(shares, head_only, waits)
             if seq is None:
                 break
-            if inflight and not seq.host_blocks and self._prefix_in_flight(seq, inflight):
+            if inflight and not seq.host_blocks and self.prefix.prefix_in_flight(seq, inflight):
                 waits.add(seq.seq_id)
                 continue
             if len(self.running) >= self.config.max_num_seqs:
-                freed = self._preempt_for(seq, planned, out)
+                freed = self.preemption.preempt_for(seq, planned, out)
                 if freed is None:
                     break
                 budget += freed
@@ -328,17 +220,17 @@ class Scheduler:
             if allowed <= 0 or (self.config.batch_invariant and allowed < 3):
                 break  # (with 3 tokens of budget, _chunk never gives a waiting prompt 0)
             if seq.host_blocks:
-                scheduled = self._swap_in(seq, allowed, out)
+                scheduled = self.preemption.swap_in(seq, allowed, out)
             else:
                 scheduled = self._admit(seq, allowed)
             if scheduled is None:
-                freed = self._preempt_for(seq, planned, out)
+                freed = self.preemption.preempt_for(seq, planned, out)
                 if freed is None:
                     break
                 budget += freed
                 continue
             self.waiting.remove(seq)
-            self._release_kept(seq)  # its prefix is referenced now
+            self.prefix.release_kept(seq)  # its prefix is referenced now
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             planned[seq.seq_id] = scheduled
@@ -346,7 +238,7 @@ class Scheduler:
             if shares is not None:
                 shares.take(seq, scheduled.num_new_tokens)
             if wait:
-                inflight |= self._inflight_blocks([seq])
+                inflight |= self.prefix.inflight_blocks([seq])
         return budget
 
     def _next_waiting(
@@ -370,18 +262,6 @@ class Scheduler:
                 best, best_key = seq, key
         return best
 
-    def _inflight_blocks(self, seqs: list[Sequence]) -> set:
-        """Hashes of the prompt blocks these running sequences are prefilling and have not
-        cached yet (each becomes a prefix-cache entry when its last token is computed)."""
-        blocks = set()
-        bs = self.block_size
-        for seq in seqs:
-            if seq.num_computed_tokens >= seq.num_prompt_tokens:
-                continue
-            self.update_block_hashes(seq)
-            blocks.update(seq.block_hashes[seq.num_hashed_blocks : seq.num_prompt_tokens // bs])
-        return blocks
-
     def outstanding_tokens(self) -> int:
         """Tokens still to compute over every queued sequence: prompt tokens to prefill plus
         tokens to decode. A waiting sequence's leading blocks that are cached, or that a
@@ -395,41 +275,18 @@ class Scheduler:
             total += seq.request.params.max_tokens - seq.num_output_tokens
         if not self.waiting:
             return total
-        inflight = self._inflight_blocks(self.running)
+        inflight = self.prefix.inflight_blocks(self.running)
         for seq in self.waiting:
-            reused = self._reusable_blocks(seq, inflight) * self.block_size
+            reused = self.prefix.reusable_blocks(seq, inflight) * self.block_size
             total += seq.num_tokens - max(seq.num_computed_tokens, reused)
             total += seq.request.params.max_tokens - seq.num_output_tokens
         return total
 
-    def _reusable_blocks(self, seq: Sequence, inflight: set) -> int:
-        """Leading blocks of ``seq`` that are cached or being prefilled by a running sequence."""
-        cacheable = self._cacheable(seq)
-        if len(seq.block_hashes) < cacheable:
-            self.update_block_hashes(seq)
-        return self.bm.prefix_length(islice(seq.block_hashes, cacheable), inflight)
-
-    def _prefix_in_flight(self, seq: Sequence, inflight: set) -> bool:
-        """Whether ``seq``'s first block past its cached prefix is one a running sequence is
-        prefilling: admitted now, it would compute that block (and likely more) again."""
-        self.update_block_hashes(seq)
-        cacheable = self._cacheable(seq)
-        cached = len(self.bm.match_prefix(seq.block_hashes[:cacheable]))
-        return cached < cacheable and seq.block_hashes[cached] in inflight
-
-    def _cacheable(self, seq: Sequence) -> int:
-        """Leading blocks of ``seq`` a prefix-cache hit may cover. Never the last token: it
-        needs logits. In batch-invariant mode not the last two: a lone new token would run in
-        the decode attention kernel, whose sums round otherwise than the prefill kernel's
-        (docs/fetch.md)."""
-        keep = 2 if self.config.batch_invariant else 1
-        return max(0, (seq.num_tokens - keep) // self.block_size)
-
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Reserve prefix-cache hits and new blocks for a waiting sequence, if they fit."""
         bs = self.block_size
-        self.update_block_hashes(seq)
-        cached = self.bm.match_prefix(seq.block_hashes[: self._cacheable(seq)])
+        self.prefix.update_block_hashes(seq)
+        cached = self.bm.match_prefix(seq.block_hashes[: self.prefix.cacheable(seq)])
         num_computed = len(cached) * bs
         num_new = seq.num_tokens - num_computed
         if num_new > budget:
@@ -465,21 +322,6 @@ class Scheduler:
             num_new -= 1
         return num_new if num_new >= 2 else 0
 
-    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
-        """Bring a swapped-out sequence back: new device blocks, copied in before the forward."""
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        bs = self.block_size
-        extra = max(0, -(-(seq.num_computed_tokens + num_new) // bs) - len(seq.host_blocks))
-        if self.bm.num_free_blocks < len(seq.host_blocks) + extra:
-            return None
-        seq.block_table = [self.bm.allocate() for _ in seq.host_blocks]
-        out.swap_in.extend(zip(seq.host_blocks, seq.block_table))
-        out.host_blocks_to_free.extend(seq.host_blocks)  # freed after the copy has run
-        seq.host_blocks = []
-        seq.block_table.extend(self.bm.allocate() for _ in range(extra))
-        seq.num_hashed_blocks = 0  # re-registered (or matched to the cached copy) as they fill
-        return ScheduledSeq(seq, num_new)
-
     def _reserve(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Make ``seq``'s block table cover its next ``num_new`` tokens (copy-on-write too)."""
         bs = self.block_size
@@ -500,54 +342,3 @@ class Scheduler:
             out.copies.append((src, dst))
         seq.block_table.extend(self.bm.allocate() for _ in range(max(needed, 0)))
         return True
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Swap the sequence's KV out to the host pool if there is one with room; otherwise
-        preempt by recompute: free the blocks (full ones stay cached) and start over later."""
-        self.running.remove(seq)
-        pool = self.host_pool
-        # A block copied-on-write this step holds its content only after the copy runs, which
-        # is after swap-outs: such a sequence recomputes instead.
-        fresh_copies = {dst for _, dst in out.copies}
-        if (
-            pool is not None
-            and pool.num_free_blocks >= len(seq.block_table) > 0
-            and not fresh_copies.intersection(seq.block_table)
-        ):
-            seq.host_blocks = pool.allocate(len(seq.block_table))
-            out.swap_out.extend(zip(seq.block_table, seq.host_blocks))
-            self.bm.release(seq.block_table)
-            seq.block_table = []
-            seq.num_hashed_blocks = 0
-            self.stats.swapped_out += 1
-        else:
-            self._free(seq)
-            seq.num_computed_tokens = 0
-            self._keep_prefix(seq)  # its full blocks stay cached: keep them for its return
-        self.stats.preemptions += 1
-        out.preempted.append(seq)
-        self._requeue(seq)
-
-    def _preempt_for(
-        self, seq: Sequence, planned: dict[int, ScheduledSeq], out: SchedulerOutput
-    ) -> int | None:
-        """Priority policy: make room for ``seq`` by preempting a lower-priority running one.
-
-        Returns the token budget the preemption freed (the victim may already be planned for
-        this step; no forward has run yet, so its plan is simply dropped), or ``None`` when
-        there is no lower-priority victim.
-        """
-        if self.config.scheduling_policy != "priority" or not self.running:
-            return None
-        victim = max(self.running, key=self._key)
-        if self._key(victim) <= self._key(seq):
-            return None
-        freed = 0
-        plan = planned.pop(victim.seq_id, None)
-        if plan is not None:
-            freed = plan.num_new_tokens
-            mine = set(victim.block_table)
-            out.copies = [(src, dst) for src, dst in out.copies if dst not in mine]
-        self._preempt(victim, out)
-        out.preempted.remove(victim)  # a planned priority swap, not a shortage of blocks
-        return freed

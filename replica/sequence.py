@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from prefixmesh.hashing import BlockHash
+from replica.engine_request import EngineRequest
 from replica.sampling_params import SamplingParams
 
 
@@ -19,23 +20,46 @@ class SequenceStatus(enum.Enum):
 class Request:
     """What the client asked for; its samples are ``Sequence``s (``n`` once forked)."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-    cache_salt: str | None
-    # Whom the request's work is charged to for fair scheduling (replica/tenant_share.py):
-    # the server's tenant (prefixmesh/tenants.py), else the cache_salt, else "default".
-    tenant: str = "default"
-    # Text of the prompt's tail (tokens resumed from an earlier replica) the client has not
-    # received: streamed with the first output, through stop-string matching.
-    unsent_text: str = ""
+    record: EngineRequest  # as the caller made it; read through the properties below
+    prompt_token_ids: list[int]  # the prompt tokenized (record.prompt may be text)
+    arrival_time: float  # record.arrival_time, else when the engine took it
     num_cached_tokens: int = -1  # set at first admission
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1 samples created (after the prompt's prefill)
     scheduled: bool = False  # has been given compute at least once
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def prompt(self) -> str | None:
+        """The prompt's text, when it came as text."""
+        prompt = self.record.prompt
+        return prompt if isinstance(prompt, str) else None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.record.params
+
+    @property
+    def priority(self) -> int:
+        return self.record.priority
+
+    @property
+    def cache_salt(self) -> str:
+        return self.record.cache_salt
+
+    @property
+    def tenant(self) -> str:
+        """Whom fair scheduling charges (replica/tenant_share.py)."""
+        return self.record.tenant
+
+    @property
+    def unsent_text(self) -> str:
+        """Text of the prompt's tail (tokens resumed from an earlier replica) the client has
+        not received: streamed with the first output, through stop-string matching."""
+        return self.record.unsent_text
 
     @property
     def finished(self) -> bool:

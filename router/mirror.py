@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 
 from prefixmesh import redis_layout as layout
 from prefixmesh.kv_events import PREDICTED, RESET, KVEvent, stream_id
+from router.expiring import ExpiringEntries
 
 log = logging.getLogger("prefixmesh.router")
 
@@ -106,8 +107,8 @@ class BlockMirror:
         self._script = self._redis.register_script(SNAPSHOT_LUA)
         self._stream = layout.kv_events_key(namespace)
         self.sets: dict[str, MirroredSet] = {}
-        # Other routers' predicted entries: replica -> hash -> expiry (monotonic seconds).
-        self.predicted: dict[str, dict[bytes, float]] = {}
+        # Other routers' predicted entries (router/expiring.py; ours are router/bookkeeping.py's).
+        self.predicted = ExpiringEntries()
         # Called with (replica id, hashes) when a replica announces blocks it now holds, after
         # the set has them: the router drops its own predictions of them (router/routing.py).
         self.on_added: Callable[[str, Sequence[bytes]], None] | None = None
@@ -197,10 +198,7 @@ class BlockMirror:
         rid = event.replica_id
         if event.kind == PREDICTED:
             if event.router_id != self.router_id:  # our own are in the router's local table
-                expiry = time.monotonic() + event.ttl_ms / 1000
-                entries = self.predicted.setdefault(rid, {})
-                for h in event.added:
-                    entries[h] = expiry
+                self.predicted.put(rid, event.added, time.monotonic() + event.ttl_ms / 1000)
             return
         mirrored = self.sets.get(rid)
         if mirrored is None or rid in self._dirty:
@@ -221,10 +219,7 @@ class BlockMirror:
         if event.added:
             # Held now: from here on the set says whether the replica still holds them, so a
             # prediction of them would only outlive an eviction (a stale promise).
-            entries = self.predicted.get(rid)
-            if entries:
-                for h in event.added:
-                    entries.pop(h, None)
+            self.predicted.drop(rid, event.added)
             if self.on_added is not None:
                 self.on_added(rid, event.added)
 
@@ -236,7 +231,7 @@ class BlockMirror:
         drop expired predictions."""
         token = secrets.token_hex(8)
         marker, last, rows = await script(keys=[], args=[self.ns, token, "sizes"])
-        self._prune_predicted()
+        self.predicted.prune()
         if not self.ready:
             return
         if marker != self.marker:
@@ -264,14 +259,6 @@ class BlockMirror:
         for rid in set(self.predicted) - listed:
             del self.predicted[rid]
 
-    def _prune_predicted(self) -> None:
-        now = time.monotonic()
-        for rid, entries in list(self.predicted.items()):
-            for h in [h for h, expiry in entries.items() if expiry <= now]:
-                del entries[h]
-            if not entries:
-                del self.predicted[rid]
-
     # -- queries ------------------------------------------------------------------------------
 
     def leading(self, replica_id: str, hashes: Sequence[bytes]) -> tuple[int, int]:
@@ -288,13 +275,7 @@ class BlockMirror:
                 cached = len(hashes)
             else:
                 cached = len(list(takewhile(blocks.__contains__, hashes)))
-        predicted = cached
-        entries = self.predicted.get(replica_id)
-        if entries:
-            now = time.monotonic()
-            while predicted < len(hashes) and entries.get(hashes[predicted], 0.0) > now:
-                predicted += 1
-        return cached, predicted
+        return cached, self.predicted.leading(replica_id, hashes, cached)
 
     def blocks(self, replica_id: str) -> set[bytes]:
         mirrored = self.sets.get(replica_id)

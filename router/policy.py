@@ -56,7 +56,7 @@ same TTFT (docs/benchmarks.md, "Cold prompts to the least content").
 than another replica actually has cached (spillover, or a policy blind to caches), the router
 names that replica (``fetch_source``) in the request's ``fetch_hint``. The chosen replica may
 then copy those blocks (``Replica.FetchBlocks``) instead of prefilling them, if its own cost
-model says that is faster (replica/server/peer_fetch.py). cache_aware's cost counts those
+model says that is faster (replica/fetch/client.py). cache_aware's cost counts those
 tokens at the fetch's price, not a prefill's:
 ``cost = prefill_weight * (uncached - fetchable) + fetch_weight * fetchable + load``, where
 ``fetchable`` are the prompt tokens some replica holds beyond what this one holds. With

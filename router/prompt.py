@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from prefixmesh.hashing import BlockHash, packed_block_hashes, token_bytes
+from prefixmesh.prompt_ids import prompt_token_ids
 from proto import prefixmesh_pb2 as pb
 from router.discovery import GROUP_KEY, ReplicaView
 
@@ -38,7 +39,7 @@ class BlockHashCache:
         token_ids: list[int],
         block_size: int,
         model_id: str,
-        cache_salt: str | None = None,
+        cache_salt: str = "",
         packed: bytes | None = None,
     ) -> list[BlockHash]:
         """``prefixmesh.hashing.block_hashes`` of the tokens, from the cache when it can.
@@ -48,12 +49,11 @@ class BlockHashCache:
             return []
         step = 4 * block_size
         data = token_bytes(token_ids[: num * block_size]) if packed is None else packed
-        salt = cache_salt or ""
         entries = self._entries
         head: list[BlockHash] = []
         known = 1 << (num.bit_length() - 1)  # the longest power-of-two prefix, then shorter
         while known:
-            key = (model_id, salt, block_size, data[: known * step])
+            key = (model_id, cache_salt, block_size, data[: known * step])
             found = entries.get(key)
             if found is not None:
                 entries.move_to_end(key)
@@ -69,7 +69,7 @@ class BlockHashCache:
         hashes = head + rest
         blocks = known * 2 or 1
         while blocks <= num and blocks * step <= self.max_bytes:
-            entries[(model_id, salt, block_size, data[: blocks * step])] = hashes[:blocks]
+            entries[(model_id, cache_salt, block_size, data[: blocks * step])] = hashes[:blocks]
             self.bytes += blocks * step
             blocks *= 2
         while self.bytes > self.max_bytes:
@@ -103,25 +103,13 @@ def tokenize(
     kind = request.WhichOneof("input")
     for group in set(view.tokenizers) | set(view.model_ids):
         tokenizer = view.tokenizers.get(group)
-        try:
-            if kind == "token_ids":
-                ids = request.token_ids.ids[:] if token_ids is None else token_ids
-            elif tokenizer is None:
-                continue
-            elif kind == "text":
-                ids = tokenizer.encode(request.text)  # type: ignore[attr-defined]
-            elif kind == "chat":
-                chat = request.chat
-                messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-                add_prompt = (
-                    chat.add_generation_prompt if chat.HasField("add_generation_prompt")
-                    else True
-                )  # fmt: skip
-                ids = tokenizer.encode_chat(messages, add_generation_prompt=add_prompt)  # type: ignore[attr-defined]
-            else:
-                continue
-        except ValueError:
-            continue  # the replica will reject it with a precise INVALID_ARGUMENT
+        if kind == "token_ids":  # taken as they are, even empty: the replica says what is wrong
+            ids = request.token_ids.ids[:] if token_ids is None else token_ids
+        else:
+            try:
+                ids = prompt_token_ids(request, tokenizer)
+            except ValueError:
+                continue  # the replica will reject it with a precise INVALID_ARGUMENT
         out.ids_by_group[group] = ids
     resume = request.resume_token_ids[:]
     if resume or kind != "token_ids" or token_ids is None:
@@ -130,7 +118,7 @@ def tokenize(
         model_id = view.model_ids.get(group)
         if model_id is not None:
             out.hashes_by_group[group] = _HASHES.block_hashes(
-                ids + resume if resume else ids, group[1], model_id, request.cache_salt or None,
+                ids + resume if resume else ids, group[1], model_id, request.cache_salt,
                 packed,
             )  # fmt: skip
     return out

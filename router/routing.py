@@ -1,10 +1,11 @@
-"""The routing core: tokenize, hash, look up the block map, policy, bookkeeping.
+"""The routing core: tokenize, hash, look up the block map, policy; the bookkeeping that
+follows each decision is router/bookkeeping.py's.
 
 The map lookup is local by default (``--map-source mirror``: an in-memory mirror of the block
 sets, router/mirror.py) or one Redis round trip per request (``--map-source redis``).
 
 ``Router.route`` turns a ``GenerateRequest`` into a ``RoutePlan`` (the chosen replica and what
-the router expects of it). It never blocks on Redis for long: when Redis is unreachable the
+the router expects of it; router/bookkeeping.py). It never blocks on Redis for long: when Redis is unreachable the
 router routes least-loaded over its last known replicas and a background task keeps trying to
 reconnect; the first successful lookup switches cache-aware routing back on.
 """
@@ -15,8 +16,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -27,8 +26,9 @@ from redis.exceptions import RedisError
 from prefixmesh.hashing import BlockHash
 from prefixmesh.request_defaults import requested_max_tokens, requested_n
 from proto import prefixmesh_pb2 as pb
-from router.attribution import MissAttribution, PendingMisses
+from router.attribution import MissAttribution
 from router.balance import RecentRequests, RoutedContent
+from router.bookkeeping import Bookkeeping, RedisLink, RouteBookkeeper, RoutePlan
 from router.config import RouterConfig
 from router.discovery import GROUP_KEY, ReplicaHandle, ReplicaView
 from router.fastredis import PipelinedRedis
@@ -39,7 +39,6 @@ from router.mirror import BlockMirror
 from router.policy import (
     FALLBACK,
     Candidate,
-    Decision,
     LeastLoadedPolicy,
     Policy,
     RouteRequest,
@@ -53,57 +52,6 @@ log = logging.getLogger("prefixmesh.router")
 
 class NoReplicaError(RuntimeError):
     """No live replica can take the request."""
-
-
-class Bookkeeping(NamedTuple):
-    """What a decision leaves for ``Router.account``: records no later decision reads."""
-
-    lookup_s: float | None  # the map lookup's time (None: no lookup)
-    hashes: Sequence[BlockHash]  # the prompt's block hashes, for the miss attribution
-    prompt_tokens: int
-    block_size: int
-    promised_blocks: int  # leading blocks the chosen replica holds or computes
-    elsewhere_blocks: int  # the most another replica holds or computes
-    predicted: list[BlockHash]  # blocks to record as predicted in Redis (none: no write)
-
-
-@dataclass(slots=True)
-class RoutePlan:
-    """One routing decision and the in-flight tokens it holds on the chosen replica."""
-
-    handle: ReplicaHandle
-    decision: Decision
-    prompt_ids: list[int] | None
-    decode_tokens: int
-    held_tokens: int = 0
-    done: bool = False
-    misses: PendingMisses | None = None  # settled when the replica reports its cached tokens
-    prefilled: bool = False
-    # A replica holding more of the prompt's leading blocks than the chosen one (policy.py's
-    # fetch_source): sent along so the chosen replica may fetch them instead of prefilling.
-    fetch_hint: pb.FetchHint | None = None
-    unaccounted: Bookkeeping | None = None  # what Router.account still has to do
-    # Blocks predicted on the chosen replica for this request (Router.settle shortens them).
-    predicted: list[BlockHash] = field(default_factory=list)
-
-    @property
-    def awaiting_prefill(self) -> bool:
-        """No token yet: the replica is still queueing or prefilling the prompt."""
-        return not self.done and not self.prefilled
-
-    def settle_prefill(self) -> None:
-        """First token seen: the prompt is prefilled, only decoding remains outstanding."""
-        self.prefilled = True
-        if not self.done and self.held_tokens > self.decode_tokens:
-            self.handle.inflight_tokens -= self.held_tokens - self.decode_tokens
-            self.held_tokens = self.decode_tokens
-
-    def release(self) -> None:
-        if not self.done:
-            self.done = True
-            self.handle.inflight_tokens -= self.held_tokens
-            self.handle.inflight_requests -= 1
-            self.held_tokens = 0
 
 
 class Router:
@@ -140,7 +88,6 @@ class Router:
                 config.redis, config.namespace, self.router_id, config.redis_timeout_s
             )
             self.index = MirrorIndex(self.redis, self.mirror, *index_args)
-            self.mirror.on_added = self._announced
         else:
             self.index = PrefixIndex(self.redis, *index_args)
         self.policy = self.make_policy(config.policy)
@@ -149,19 +96,16 @@ class Router:
         self.recent = RecentRequests(config.balance_window)  # for the request bound
         # What this router sent each replica lately, for cold placement (router/balance.py).
         self.content = RoutedContent(config.cold_content_window)
-        # Plans still waiting for their first token, with the blocks predicted for them: their
-        # predicted entries are renewed until then, so a burst behind a long queue stays
-        # together however long it waits (a fixed TTL would scatter it).
-        self._awaiting: list[RoutePlan] = []
-        # Predicted blocks of requests that have had their first token (or ended), per replica,
-        # waiting for flush_settled to shorten their entries in Redis too.
-        self._settled: dict[str, list[BlockHash]] = {}
         self.redis_ok = False
-        # Predicted entries this router wrote, checked locally so that its own next request
-        # sees them even before the write reaches Redis: replica -> hash -> expiry (monotonic).
-        self._predicted: dict[str, dict[BlockHash, float]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        # What follows each decision: load held, predicted entries, their renewal and settling.
+        link = RedisLink(
+            lambda: self.redis_ok, lambda exc: self._set_redis(False, exc), self._spawn
+        )
+        self.book = RouteBookkeeper(config, self.index, self.metrics, self.attribution, link)
+        if self.mirror is not None:
+            self.mirror.on_added = self.book.announced
 
     def set_policy(self, name: str) -> None:
         """Route by policy ``name`` from now on (``SetPolicy``), with the request bound's
@@ -199,9 +143,9 @@ class Router:
         self._tasks = [
             loop.create_task(self._every(every, self.refresh)),
             loop.create_task(self._every(self.config.inflight_flush_s, self.flush_inflight)),
-            loop.create_task(self._every(self.config.inflight_flush_s, self.flush_settled)),
+            loop.create_task(self._every(self.config.inflight_flush_s, self.book.flush_settled)),
             loop.create_task(
-                self._every(self.config.predicted_ttl_ms / 2000, self.renew_predicted)
+                self._every(self.config.predicted_ttl_ms / 2000, self.book.renew_predicted)
             ),
         ]
 
@@ -229,7 +173,7 @@ class Router:
 
     async def refresh(self) -> None:
         """Re-read the live replicas (and detect Redis coming back)."""
-        self._prune_predicted()
+        self.book.predicted.prune()
         try:
             matches = await self.index.refresh()
         except (RedisError, OSError) as exc:
@@ -264,84 +208,21 @@ class Router:
         self.view.apply((m.replica_id, m.lease, m.other_inflight_tokens) for m in matches)
         self.metrics.replicas.set(len(self.view.live()))
 
-    async def renew_predicted(self) -> None:
-        """Extend the predicted entries of requests that have not had their first token."""
-        live = [p for p in self._awaiting if p.awaiting_prefill and p.predicted]
-        self._awaiting = live
-        if not live:
-            return
-        expiry = time.monotonic() + self.config.predicted_ttl_ms / 1000
-        by_replica: dict[str, list[BlockHash]] = {}
-        for plan in live:
-            rid = plan.handle.replica_id
-            entries = self._predicted.setdefault(rid, {})
-            if self.mirror is not None:  # not the blocks the replica has announced since
-                plan.predicted = [h for h in plan.predicted if h in entries]
-            for h in plan.predicted:
-                entries[h] = max(entries.get(h, 0.0), expiry)
-            by_replica.setdefault(rid, []).extend(plan.predicted)
-        if self.redis_ok:
-            for rid, hashes in by_replica.items():
-                await self._record(rid, hashes)
-
-    def _announced(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
-        """The mirror saw ``replica_id`` announce ``hashes``: its set says from now on whether
-        the replica still holds them, so their predicted entries go."""
-        entries = self._predicted.get(replica_id)
-        if entries:
-            for h in hashes:
-                entries.pop(h, None)
+    # -- the forwarder's three calls (router/forward.py), kept by the bookkeeper -------------
 
     def prefilled(self, plan: RoutePlan) -> None:
         """A response came: the prompt is prefilled (``RoutePlan.settle_prefill``, ``settle``)."""
         plan.settle_prefill()
-        self.settle(plan)
+        self.book.settle(plan)
 
     def finished(self, plan: RoutePlan) -> None:
         """The attempt ended, however: its load goes (``RoutePlan.release``), and ``settle``."""
         plan.release()
-        self.settle(plan)
+        self.book.settle(plan)
 
-    def settle(self, plan: RoutePlan) -> None:
-        """The replica has prefilled ``plan``'s prompt (its first token came), or the request
-        ended: the replica's own KV events say which of the predicted blocks it holds (the
-        mirror drops each entry as its block is announced), so what is left stays only
-        ``--predicted-settle-ms`` more, time for the last events to reach the map. A prediction
-        that outlived them would keep promising blocks the replica has since evicted: stale
-        hits. Idempotent; cheap when nothing is predicted."""
-        hashes = plan.predicted
-        if not hashes:
-            return
-        plan.predicted = []
-        rid = plan.handle.replica_id
-        entries = self._predicted.get(rid)
-        if entries:
-            deadline = time.monotonic() + self.config.predicted_settle_ms / 1000
-            for h in hashes:
-                if entries.get(h, 0.0) > deadline:
-                    entries[h] = deadline
-        if self.redis_ok:
-            self._settled.setdefault(rid, []).extend(hashes)
-
-    async def flush_settled(self) -> None:
-        """Shorten, in Redis, the predicted entries ``settle`` shortened here (for other
-        routers, and for the Redis lookup)."""
-        settled, self._settled = self._settled, {}
-        if not settled or not self.redis_ok:
-            return
-        try:
-            for rid, hashes in settled.items():
-                await self.index.settle_predicted(rid, hashes, self.config.predicted_settle_ms)
-        except (RedisError, OSError) as exc:
-            self._set_redis(False, exc)
-
-    def _prune_predicted(self) -> None:
-        now = time.monotonic()
-        for rid, entries in list(self._predicted.items()):
-            for h in [h for h, exp in entries.items() if exp <= now]:
-                del entries[h]
-            if not entries:
-                del self._predicted[rid]
+    def account(self, plan: RoutePlan) -> None:
+        """The bookkeeping a deferred ``route`` left for after the send."""
+        self.book.account(plan)
 
     # -- routing ------------------------------------------------------------------------------
 
@@ -396,7 +277,7 @@ class Router:
             if chosen.replica_id == decision.replica_id:
                 break
         # Blocks the replica does not report yet: it is about to compute them.
-        new = self._commit(handle, decision, hashes[chosen.cached_blocks :])
+        new = self.book.commit(handle, decision, hashes[chosen.cached_blocks :])
         self.recent.add(handle.replica_id)
         if hashes:  # of the primary group: what its pools take in
             self.content.add(handle.replica_id, hashes)
@@ -407,9 +288,7 @@ class Router:
             decode_tokens=decode,
             held_tokens=decision.weight_tokens,
         )
-        if new:  # renewed until the first token (renew_predicted), then settled
-            plan.predicted = new
-            self._awaiting.append(plan)
+        self.book.hold(plan, new)  # renewed until the first token, then settled
         plan.fetch_hint = self._fetch_hint(candidates, chosen)
         # The most another replica matches: the deepest, unless only the chosen one has it.
         promised = decision.matched_blocks  # the chosen one's (policy.decide)
@@ -419,7 +298,7 @@ class Router:
             promised, elsewhere, new if matches is not None else [],
         )  # fmt: skip
         if not defer_bookkeeping:
-            self.account(plan)
+            self.book.account(plan)
         return plan
 
     def _candidates(
@@ -486,25 +365,6 @@ class Router:
             raise NoReplicaError("no live replica (none registered in Redis, or all failed)")
         return handles, matches
 
-    def account(self, plan: RoutePlan) -> None:
-        """The bookkeeping ``route`` left for later (once; a no-op after): the lookup and
-        routing metrics, the request's miss attribution state, and the predicted entries'
-        Redis write for other routers (this router's own table is already updated)."""
-        work = plan.unaccounted
-        if work is None:
-            return
-        plan.unaccounted = None
-        if work.lookup_s is not None:
-            self.metrics.lookup.observe(work.lookup_s)
-        decision, replica_id = plan.decision, plan.handle.replica_id
-        self.metrics.routed(decision.outcome, replica_id, decision.predicted_cached_tokens)
-        plan.misses = self.attribution.pending(
-            work.hashes, work.prompt_tokens, work.block_size, work.promised_blocks,
-            work.elsewhere_blocks,
-        )  # fmt: skip
-        if work.predicted:
-            self._spawn(self._record(replica_id, work.predicted))
-
     def _fetch_hint(
         self, candidates: Sequence[Candidate], chosen: Candidate
     ) -> pb.FetchHint | None:
@@ -540,45 +400,14 @@ class Router:
         same_group = lease.group == primary
         cached = match.cached_blocks if match and same_group else 0
         predicted = match.predicted_blocks if match and same_group else 0
-        if same_group and rid in self._predicted:
-            predicted = max(predicted, self._local_predicted(rid, hashes, cached))
+        if same_group and rid in self.book.predicted:
+            predicted = max(predicted, self.book.predicted.leading(rid, hashes, cached))
         other = match.other_inflight_tokens if match else handle.other_inflight_tokens
         return Candidate(
             rid, cached, predicted, max(0, handle.inflight_tokens) + other, lease.queued_tokens,
             self.recent.count(rid), lease.fetch_cost if lease.fetch_cost >= 0 else None,
             lease.empty_blocks, self.content.count(rid) if same_group else None,
         )  # fmt: skip
-
-    def _local_predicted(self, replica_id: str, hashes: Sequence[BlockHash], start: int) -> int:
-        entries = self._predicted.get(replica_id)
-        if not entries:
-            return 0
-        now, matched = time.monotonic(), start
-        while matched < len(hashes) and entries.get(hashes[matched], 0.0) > now:
-            matched += 1
-        return matched
-
-    def _commit(
-        self, handle: ReplicaHandle, decision: Decision, hashes: Sequence[BlockHash]
-    ) -> list[BlockHash]:
-        """The decision's load and predicted blocks (``hashes``), which the next decision
-        reads; returns those blocks (empty for a full hit: nothing to predict)."""
-        handle.inflight_tokens += decision.weight_tokens
-        handle.inflight_requests += 1
-        handle.stats.requests += 1
-        new = list(hashes)
-        if new:
-            expiry = time.monotonic() + self.config.predicted_ttl_ms / 1000
-            entries = self._predicted.setdefault(handle.replica_id, {})
-            for h in new:
-                entries[h] = expiry
-        return new
-
-    async def _record(self, replica_id: str, hashes: list[BlockHash]) -> None:
-        try:
-            await self.index.record_predicted(replica_id, hashes)
-        except (RedisError, OSError) as exc:
-            self._set_redis(False, exc)
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)

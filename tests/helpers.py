@@ -268,7 +268,7 @@ def blocks_held_by(src, dst, ids: list[int], salt: str | None = None):
     them from a peer (``FetchedBlocks``: pinned, read and unpinned as the servers do)."""
     # Imported here, as make_tiny_model_dir does: the process tests' helpers need no torch.
     from prefixmesh.hashing import block_hashes
-    from replica.kv_transfer import FetchedBlocks, layer_tensor, read_blocks
+    from replica.fetch.transfer import FetchedBlocks, layer_tensor, read_blocks
 
     bs = src.block_manager.block_size
     pinned = src.pin_prefix(block_hashes(ids, bs, src.model_id, salt), salt)

@@ -12,6 +12,7 @@ from helpers import make_tiny_model_dir, pair_modes
 from kernels import cpu_linear
 from kernels.interface import key_layout_of
 from replica import LLM, SamplingParams
+from replica.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -136,13 +137,13 @@ def test_late_arrivals_join_and_match_solo_runs(tiny_model_dir):
     solo = [run_greedy(llm, [p])[0] for p in prompts]
     engine = llm.engine
     for i in range(3):
-        engine.add_request(f"early{i}", prompts[i], GREEDY)
+        engine.add(EngineRequest(f"early{i}", prompts[i], GREEDY))
     got: dict[str, list[int]] = {}
     steps = 0
     while engine.has_unfinished_requests():
         if steps == 3:  # the rest arrive while the first ones are decoding
             for i in range(3, 6):
-                engine.add_request(f"late{i}", prompts[i], GREEDY)
+                engine.add(EngineRequest(f"late{i}", prompts[i], GREEDY))
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         steps += 1
@@ -202,9 +203,9 @@ def test_priority_scheduling_serves_lower_value_first(tiny_model_dir):
     llm = make_llm(tiny_model_dir, scheduling_policy="priority", max_num_seqs=1)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine.add_request("low", [5, 6, 7], params, priority=5)
+    engine.add(EngineRequest("low", [5, 6, 7], params, priority=5))
     engine.step()  # "low" is running
-    engine.add_request("high", [8, 9, 10], params, priority=0)
+    engine.add(EngineRequest("high", [8, 9, 10], params, priority=0))
     order = []
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
@@ -218,7 +219,7 @@ def test_parallel_samples_share_prompt_blocks_and_copy_on_write(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
     engine = llm.engine
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
-    engine.add_request("r", prompt, params)
+    engine.add(EngineRequest("r", prompt, params))
     engine.step()  # prefill, fork, first token of each sample
     seqs = engine._requests["r"].sequences
     assert len(seqs) == 3
@@ -252,7 +253,7 @@ def test_cache_salt_isolates_tenants(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
     engine = llm.engine
     for rid, salt in (("a", "tenant-a"), ("b", "tenant-b"), ("a2", "tenant-a")):
-        engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+        engine.add(EngineRequest(rid, prompt, GREEDY, cache_salt=salt))
         cached = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -263,7 +264,7 @@ def test_cache_salt_isolates_tenants(tiny_model_dir):
 def test_abort_frees_blocks_at_once(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
     engine = llm.engine
-    engine.add_request("x", random_prompts(1, (50, 50))[0], SamplingParams(max_tokens=100))
+    engine.add(EngineRequest("x", random_prompts(1, (50, 50))[0], SamplingParams(max_tokens=100)))
     engine.step()
     engine.step()
     assert engine.get_stats().free_blocks < engine.get_stats().num_blocks
@@ -289,9 +290,9 @@ def test_unsent_text_comes_first_through_the_stop_string_matcher(tiny_model_dir)
     # Unsent text as a resumed replica gets it: its "@" may start the stop string, so it waits
     # for the generated text, which completes the stop string (a), does not (c), or never
     # comes (b: aborted, the held-back text is released).
-    engine.add_request("a", prompt, params("@" + free[0]), unsent_text="held@")
-    engine.add_request("b", prompt, params("@@"), unsent_text="x@")
-    engine.add_request("c", prompt, params("@@"), unsent_text="held@")
+    engine.add(EngineRequest("a", prompt, params("@" + free[0]), unsent_text="held@"))
+    engine.add(EngineRequest("b", prompt, params("@@"), unsent_text="x@"))
+    engine.add(EngineRequest("c", prompt, params("@@"), unsent_text="held@"))
     engine.abort_request("b")
     outputs = []
     while engine.has_unfinished_requests():
@@ -302,7 +303,7 @@ def test_unsent_text_comes_first_through_the_stop_string_matcher(tiny_model_dir)
     assert (finals["a"].finish_reason, finals["a"].stop_reason) == ("stop", "@" + free[0])
     assert next(o for o in outputs if o.request_id == "c").new_text.startswith("held@")
     with pytest.raises(ValueError, match="n == 1"):
-        engine.add_request("d", prompt, SamplingParams(n=2), unsent_text="x")
+        engine.add(EngineRequest("d", prompt, SamplingParams(n=2), unsent_text="x"))
 
 
 def test_a_stop_token_releases_text_held_back_for_a_stop_string(tiny_model_dir):
@@ -506,9 +507,9 @@ def test_queued_tokens_leave_out_what_a_waiting_request_will_reuse(tiny_model_di
     llm = make_llm(tiny_model_dir, max_num_batched_tokens=64)
     engine = llm.engine
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    engine.add_request("leader", shared + [1, 2, 3], params)
-    engine.add_request("follower", shared + [7, 8, 9], params)
-    engine.add_request("other", [rng.randrange(5, 400) for _ in range(20)], params)
+    engine.add(EngineRequest("leader", shared + [1, 2, 3], params))
+    engine.add(EngineRequest("follower", shared + [7, 8, 9], params))
+    engine.add(EngineRequest("other", [rng.randrange(5, 400) for _ in range(20)], params))
     engine.step()  # the leader's first 64 tokens (4 blocks cached, the next 2 in flight)
     assert [s.request.request_id for s in engine.scheduler.running] == ["leader"]
     leader, follower, other = 99 - 64 + 5, 99 - 96 + 5, 20 + 5
@@ -528,8 +529,8 @@ def test_a_request_waiting_on_a_prefix_goes_ahead_when_its_leader_is_aborted(tin
     solo = run_greedy(llm, [shared + [7, 8, 9]])[0]
     llm.engine.reset_prefix_cache()
     engine = llm.engine
-    engine.add_request("leader", shared + [1, 2, 3], GREEDY)
-    engine.add_request("follower", shared + [7, 8, 9], GREEDY)
+    engine.add(EngineRequest("leader", shared + [1, 2, 3], GREEDY))
+    engine.add(EngineRequest("follower", shared + [7, 8, 9], GREEDY))
     engine.step()  # the leader's first 64 tokens
     engine.step()  # the leader's last 35; the follower waits for the prefix's last 2 blocks
     assert [s.request.request_id for s in engine.scheduler.waiting] == ["follower"]
@@ -552,8 +553,8 @@ def test_a_queued_request_keeps_the_prefix_it_was_sent_for(tiny_model_dir):
     llm.engine.reset_prefix_cache()
     run_greedy(llm, [prefix + [1], other + [1]], params)  # 4 + 4 cached blocks, prefix oldest
     engine = llm.engine
-    engine.add_request("long", [rng.randrange(5, 400) for _ in range(100)], GREEDY)
-    engine.add_request("queued", prefix + [9, 9, 9], GREEDY)  # waits behind "long" (1 seq)
+    engine.add(EngineRequest("long", [rng.randrange(5, 400) for _ in range(100)], GREEDY))
+    engine.add(EngineRequest("queued", prefix + [9, 9, 9], GREEDY))  # waits behind "long" (1 seq)
     got, cached = run_until_done(engine, "queued")
     engine.check_integrity()
     assert got == solo
@@ -575,9 +576,9 @@ def _queued_behind_two(tiny_model_dir, share: float) -> tuple[list[int], int, li
     run_greedy(llm, [prefix + [1]], SamplingParams(max_tokens=1, temperature=0.0))
     engine = llm.engine
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    engine.add_request("first", first, params)
-    engine.add_request("second", second, params)
-    engine.add_request("q", prefix + [9, 9, 9], GREEDY)
+    engine.add(EngineRequest("first", first, params))
+    engine.add(EngineRequest("second", second, params))
+    engine.add(EngineRequest("q", prefix + [9, 9, 9], GREEDY))
     assert engine.block_manager.num_kept_hashes == (4 if share else 0)
     assert engine.get_stats().kept_hashes == (4 if share else 0)  # the metric's gauge
     engine.check_integrity()
@@ -611,15 +612,15 @@ def _waiting_on_a_queued_prefix(tiny_model_dir, share: float) -> tuple[list[int]
     llm.engine.reset_prefix_cache()
     engine = llm.engine
     four = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    engine.add_request("long", [rng.randrange(5, 400) for _ in range(60)], four)
-    engine.add_request("w1", prefix + [1], SamplingParams(max_tokens=1, temperature=0.0))
-    engine.add_request("y", [rng.randrange(5, 400) for _ in range(44)], four)
-    engine.add_request("x", [rng.randrange(5, 400) for _ in range(110)], four)
-    engine.add_request("w2", prefix + [9, 9, 9], GREEDY)
+    engine.add(EngineRequest("long", [rng.randrange(5, 400) for _ in range(60)], four))
+    engine.add(EngineRequest("w1", prefix + [1], SamplingParams(max_tokens=1, temperature=0.0)))
+    engine.add(EngineRequest("y", [rng.randrange(5, 400) for _ in range(44)], four))
+    engine.add(EngineRequest("x", [rng.randrange(5, 400) for _ in range(110)], four))
+    engine.add(EngineRequest("w2", prefix + [9, 9, 9], GREEDY))
     engine.check_integrity()
     got, cached = run_until_done(engine, "w2")
     engine.check_integrity()
-    assert not engine.scheduler.queued_hashes and engine.block_manager.num_kept_hashes == 0
+    assert not engine.scheduler.prefix.queued_hashes and engine.block_manager.num_kept_hashes == 0
     return got, cached, solo
 
 
@@ -664,9 +665,9 @@ def test_published_block_events_keep_the_cached_set_exact_when_a_step_recomputes
     run_greedy(llm, [p + [1]], one)
     run_greedy(llm, [q + [1]], one)  # 12 blocks cached, 8 free
     assert mirror == engine.cached_block_hashes()
-    engine.add_request("b", [rng.randrange(5, 400) for _ in range(150)], one)  # 10 blocks
-    engine.add_request("c", p + [9, 9, 9], one)  # p's prefix, marked used on arrival
-    engine.add_request("d", q + [9], one)  # q's, later: p's blocks are the oldest
+    engine.add(EngineRequest("b", [rng.randrange(5, 400) for _ in range(150)], one))  # 10 blocks
+    engine.add(EngineRequest("c", p + [9, 9, 9], one))  # p's prefix, marked used on arrival
+    engine.add(EngineRequest("d", q + [9], one))  # q's, later: p's blocks are the oldest
     before = len(reports)
     engine.step()  # b takes the 8 free blocks and 2 of p's; c recomputes them
     step_reports = reports[before:]
@@ -677,3 +678,33 @@ def test_published_block_events_keep_the_cached_set_exact_when_a_step_recomputes
     run_until_done(engine, "d")
     assert mirror == engine.cached_block_hashes()
     engine.check_integrity()
+
+
+def test_prompt_hashed_once_when_the_record_carries_its_hashes(tiny_model_dir, monkeypatch):
+    """The server hashes a prompt's blocks once (for the fetch decision) and passes them in the
+    record: the scheduler hashes only the blocks generated after it, and the output and the
+    prefix cache are those of a request that came without hashes."""
+    import prefixmesh.hashing as hashing
+    import replica.prefix_tracker as scheduler_module
+
+    llm = make_llm(tiny_model_dir, block_size=16)
+    engine = llm.engine
+    ids = random_prompts(1, (70, 70), seed=3)[0]
+    want = run_greedy(llm, [ids])[0]
+    engine.reset_prefix_cache()
+    hashed: list[int] = []  # block indexes the scheduler hashed
+
+    def counting(hashes, token_ids, block_size, model_id, cache_salt=None):
+        hashed.extend(range(len(hashes), len(token_ids) // block_size))
+        return hashing.extend_block_hashes(hashes, token_ids, block_size, model_id, cache_salt)
+
+    monkeypatch.setattr(scheduler_module, "extend_block_hashes", counting)
+    record = EngineRequest("r", ids, GREEDY, cache_salt="s")
+    record.block_hashes = engine.prompt_block_hashes(ids, "s")
+    assert len(record.block_hashes) == 70 // 16
+    engine.add(record)
+    got, _ = run_until_done(engine, "r")
+    engine.check_integrity()
+    assert got == want
+    assert hashed and min(hashed) == 70 // 16  # never a prompt block again
+    assert set(engine.cached_block_hashes()) >= set(record.block_hashes)

@@ -11,6 +11,7 @@ from helpers import blocks_held_by
 
 from prefixmesh.hashing import block_hashes
 from replica import LLM, SamplingParams
+from replica.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 BS = 16
@@ -100,7 +101,7 @@ def test_pinned_blocks_survive_eviction_and_are_released(tiny_model_dir):
 def test_another_salts_blocks_are_not_served(tiny_model_dir):
     src = make_llm(tiny_model_dir)
     ids = prompt(100)
-    src.engine.add_request("a", ids, GREEDY, cache_salt="tenant-a")
+    src.engine.add(EngineRequest("a", ids, GREEDY, cache_salt="tenant-a"))
     while src.engine.has_unfinished_requests():
         src.engine.step()
     salted = block_hashes(ids, BS, src.engine.model_id, "tenant-a")

@@ -45,8 +45,10 @@ def test_every_engine_field_is_mapped_and_unknown_ones_ignored():
 def test_unset_fields_stay_unset_for_engine_defaults():
     sp = parse_completion({"prompt": "hi"}).requests[0].sampling
     assert not any(sp.HasField(f) for f in ("max_tokens", "temperature", "n", "logprobs"))
+    assert not sp.fit_context  # completions keep the default of 16
     chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]})
     assert chat.requests[0].sampling.max_tokens == CHAT_DEFAULT_MAX_TOKENS
+    assert chat.requests[0].sampling.fit_context  # the replica lowers it to the room left
     assert chat.logprobs is None
 
 

@@ -19,9 +19,9 @@ from prefixmesh.hashing import HASH_SCHEME, block_hashes
 from prefixmesh.tls import aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from replica.server import block_service
+from replica.fetch import holder as block_service
+from replica.fetch.client import FetchConfig, FetchCost
 from replica.server.config import ServerConfig
-from replica.server.peer_fetch import FetchConfig, FetchCost
 from replica.server.server import ReplicaServer
 
 KEY = "fetch-key"
@@ -378,8 +378,8 @@ def test_the_lease_prices_a_fetched_token_against_a_prefilled_one(tiny_model_dir
 
 
 def test_unreachable_redis_is_not_asked_on_every_request(tiny_model_dir):
-    from replica.server.block_service import KVLayout
-    from replica.server.peer_fetch import RedisHolders
+    from replica.fetch.client import RedisHolders
+    from replica.fetch.layout import KVLayout
 
     async def go() -> None:
         holders = RedisHolders("redis://127.0.0.1:1/0", "x", "me", KVLayout("m", "float32", BS))

@@ -98,6 +98,28 @@ def test_resume_tokens_extend_the_prompt_and_use_the_budget() -> None:
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (2, 10, 2)
 
 
+def test_the_context_budget_is_settled_before_resumed_tokens_are_subtracted() -> None:
+    """fit_context shrinks max_tokens to the room the prompt leaves; a set max_tokens must fit;
+    both count the resumed tokens as output (the check is on the whole budget)."""
+
+    def mapped(max_tokens: int, fit: bool, resumed: list[int], text: str = "abcd") -> int:
+        sp = pb.SamplingParams(max_tokens=max_tokens, fit_context=fit)
+        request = pb.GenerateRequest(text=text, sampling=sp, resume_token_ids=resumed)
+        req = engine_request(request, FakeTokenizer(), vocab_size=1000, max_model_len=10)
+        return req.engine.params.max_tokens
+
+    assert mapped(1024, True, []) == 6  # 10 - a 4-token prompt
+    assert mapped(3, True, []) == 3  # a cap, never raised
+    assert mapped(1024, True, [7, 8]) == 4  # room 6, of which 2 resumed
+    assert mapped(6, False, [7, 8]) == 4  # 4 + 6 fits: the resumed 2 are part of the 6
+    with pytest.raises(ValueError, match="ask for at most 6 tokens"):
+        mapped(7, False, [7, 8])
+    with pytest.raises(ValueError, match="shorten the prompt"):
+        mapped(1024, True, [], text="abcdefghijk")
+    unbounded = pb.GenerateRequest(text="abcd", sampling=pb.SamplingParams(max_tokens=1024))
+    assert engine_request(unbounded, FakeTokenizer(), 1000).engine.params.max_tokens == 1024
+
+
 def test_resume_text_chars_maps_to_the_unsent_text(tmp_path: Path) -> None:
     vocab = make_tiny_tokenizer(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)

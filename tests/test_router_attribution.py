@@ -84,7 +84,7 @@ def test_each_miss_kind_on_a_crafted_workload(redis_server: str) -> None:
             for r in c.replicas:
                 r.cached.clear()
                 await c.router.router.redis.delete(layout.blocks_key(r.replica_id, ns))
-            c.router.router._predicted.clear()  # this router's own recent predictions
+            c.router.router.book.predicted.clear()  # this router's own recent predictions
             mirror = c.router.router.mirror  # its copy of the map notices within a refresh
             for _ in range(100):
                 if mirror is None or not any(mirror.blocks(r.replica_id) for r in c.replicas):

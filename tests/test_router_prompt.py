@@ -8,9 +8,9 @@ import pytest
 from helpers import make_tiny_tokenizer
 
 from prefixmesh.hashing import block_hashes
+from prefixmesh.prompt_ids import prompt_token_ids
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
-from replica.server.request_mapping import prompt_token_ids
 from router.discovery import ReplicaView
 from router.prompt import tokenize
 

@@ -108,10 +108,10 @@ def _random_cluster(router, rng):
         cached = rng.randrange(len(hashes) + 1)
         predicted = rng.randrange(cached, len(hashes) + 1)
         matches.append(ReplicaMatch(rid, cached, predicted, rng.choice([0, 50]), lease))
-        router._predicted.pop(rid, None)
+        router.book.predicted.pop(rid, None)
         if hashes and rng.random() < 0.3:  # this router's own predictions
             ahead = hashes[: rng.randrange(len(hashes) + 1)]
-            router._predicted[rid] = dict.fromkeys(ahead, 1e18)
+            router.book.predicted[rid] = dict.fromkeys(ahead, 1e18)
     router.view.handles, router.view.listed = handles, list(handles)
     return ids, hashes, handles, matches
 
@@ -200,18 +200,18 @@ def test_predictions_end_when_announced_or_settled() -> None:
     assert router.mirror is not None
     hashes = block_hashes(list(range(16)), 4, "m")
     far = time.monotonic() + 60
-    router._predicted["r0"] = dict.fromkeys(hashes, far)
+    router.book.predicted["r0"] = dict.fromkeys(hashes, far)
     router.mirror.on_added("r0", hashes[:1])  # the replica announced its first block
-    assert list(router._predicted["r0"]) == hashes[1:]
+    assert list(router.book.predicted["r0"]) == hashes[1:]
 
     handle = ReplicaHandle("r0", Lease(address="a", model="m", block_size=4), None, None, None)  # type: ignore[arg-type]
     plan = RoutePlan(handle=handle, decision=None, prompt_ids=None, decode_tokens=1)  # type: ignore[arg-type]
     plan.predicted = hashes[1:3]  # this request's; hashes[3] is another request's
     router.redis_ok = True
-    router.settle(plan)
+    router.book.settle(plan)
     deadline = time.monotonic() + 0.2
-    entries = router._predicted["r0"]
+    entries = router.book.predicted["r0"]
     assert max(entries[h] for h in hashes[1:3]) <= deadline and entries[hashes[3]] == far
-    assert plan.predicted == [] and router._settled == {"r0": hashes[1:3]}
-    router.settle(plan)  # once
-    assert router._settled == {"r0": hashes[1:3]}
+    assert plan.predicted == [] and router.book.settled == {"r0": hashes[1:3]}
+    router.book.settle(plan)  # once
+    assert router.book.settled == {"r0": hashes[1:3]}

@@ -130,14 +130,25 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
         "kernels",
         "replica",
         "replica.server",
+        "replica.fetch",
         "replica.bench",
         "router",
         "loadtest",
     },
-    "replica": {"prefixmesh", "kernels"},  # the engine: no grpc, no Redis
+    # The engine: no grpc, no Redis. Of replica.fetch it imports only ``transfer`` (torch only).
+    "replica": {"prefixmesh", "kernels", "replica.fetch"},
+    # Peer fetch: asker, holder, layout, transfer, warm start (the server wires it in).
+    "replica.fetch": {"replica", "replica.server", "prefixmesh", "proto", "kernels"},
     # Its benchmarks: ``fetch`` runs two replica servers, so it reaches into replica.server.
     "replica.bench": {"replica", "replica.server", "prefixmesh", "proto", "kernels"},
-    "replica.server": {"replica", "prefixmesh", "prefixmesh.openai", "proto", "kernels"},
+    "replica.server": {
+        "replica",
+        "replica.fetch",
+        "prefixmesh",
+        "prefixmesh.openai",
+        "proto",
+        "kernels",
+    },
     "router": {"prefixmesh", "prefixmesh.openai", "proto"},  # no torch
     "loadtest": {"prefixmesh", "proto", "router"},  # router: the simulator replays its policies
 }
@@ -151,6 +162,20 @@ def part_of(module: str) -> str:
         if name in ALLOWED_IMPORTS:
             return name
     raise KeyError(module)
+
+
+def test_the_engine_takes_only_the_transfer_module_of_fetch() -> None:
+    """``replica.fetch`` holds grpc and Redis code; the engine may use only its torch side."""
+    graph = import_graph()
+    wrong = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if part_of(module) == "replica"
+        for target in targets
+        if part_of(target) == "replica.fetch"
+        and target not in ("replica.fetch", "replica.fetch.transfer")
+    )
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_part_imports_only_what_the_map_allows() -> None:

@@ -14,6 +14,7 @@ import pytest
 from replica import LLM, SamplingParams
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig
+from replica.engine_request import EngineRequest
 from replica.scheduler import Scheduler
 from replica.sequence import Request, Sequence
 from replica.tenant_share import TenantShares
@@ -46,8 +47,8 @@ class Harness:
         n = next(self.ids)
         tokens = [self.rng.randrange(5, 400) for _ in range(prompt_len)]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        request = Request(f"{tenant}{n}", None, tokens, params, priority, float(n), tenant,
-                          tenant=tenant)  # fmt: skip
+        record = EngineRequest(f"{tenant}{n}", tokens, params, priority, tenant, tenant=tenant)
+        request = Request(record, tokens, float(n))
         seq = Sequence(n, request, 0, list(tokens), prompt_len)
         request.sequences.append(seq)
         self.sched.add(seq)
@@ -60,7 +61,7 @@ class Harness:
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.sched.cache_computed_blocks(seq)
+            self.sched.prefix.cache_computed_blocks(seq)
             plan.append((seq.request.request_id, item.num_new_tokens))
             if seq.num_computed_tokens == seq.num_tokens:  # logits: one token sampled
                 seq.token_ids.append(self.rng.randrange(5, 400))
@@ -215,7 +216,7 @@ def test_fair_scheduling_never_changes_greedy_output(tiny_model_dir, priority):
         engine = llm.engine
         for i, prompt in enumerate(prompts):
             salt = "flood" if i % 3 else "calm"
-            engine.add_request(f"r{i}", prompt, GREEDY, cache_salt=salt, priority=i % 2)
+            engine.add(EngineRequest(f"r{i}", prompt, GREEDY, cache_salt=salt, priority=i % 2))
         got: dict[str, list[int]] = {}
         for _ in range(2000):
             if not engine.has_unfinished_requests():

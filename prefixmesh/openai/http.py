@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prefixmesh.auth import bearer_metadata, bearer_ok
-from prefixmesh.limits import RequestLimits, retry_after, room_from_error
+from prefixmesh.limits import RequestLimits, retry_after
 from prefixmesh.openai.format import ResponseBuilder, token_text_fn
 from prefixmesh.openai.schema import OpenAIError, ParsedRequest, parse_chat, parse_completion
 from prefixmesh.tls import TlsFiles, aio_channel
@@ -273,30 +273,18 @@ class OpenAIHttpServer:
         builder = ResponseBuilder(
             parsed, self._model(parsed.model), token_text_fn(self.door.tokenizer())
         )
-        # A chat without max_tokens means "until the context is full" (OpenAI): when the
-        # default does not fit, ask again for what does (prefixmesh/limits.py check_context).
-        fill = parsed.kind == "chat" and all(
-            body.get(k) is None for k in ("max_tokens", "max_completion_tokens")
-        )
-        while True:
-            upstream = _Upstream(self._stub, parsed.requests, bearer_metadata(self.door.api_key))
-            messages = aiter(upstream)
+        upstream = _Upstream(self._stub, parsed.requests, bearer_metadata(self.door.api_key))
+        messages = aiter(upstream)
+        try:
             try:
-                try:
-                    first = await anext(messages)
-                except OpenAIError as err:  # nothing sent yet: a proper HTTP status
-                    room = room_from_error(err.message) if fill else None
-                    if room is None:
-                        return error_response(err)
-                    fill = False
-                    for r in parsed.requests:
-                        r.sampling.max_tokens = room
-                    continue
-                if not parsed.stream:
-                    return await self._whole(builder, first, messages)
-                return await self._stream(request, builder, first, messages)
-            finally:
-                upstream.cancel()
+                first = await anext(messages)
+            except OpenAIError as err:  # nothing sent yet: a proper HTTP status
+                return error_response(err)
+            if not parsed.stream:
+                return await self._whole(builder, first, messages)
+            return await self._stream(request, builder, first, messages)
+        finally:
+            upstream.cancel()
 
     async def _whole(
         self,

@@ -15,8 +15,9 @@ from typing import Any
 from prefixmesh.request_defaults import requested_n
 from proto import prefixmesh_pb2 as pb
 
-# Chat requests without max_tokens: OpenAI means "until the context is full"; the engine stops
-# at max_model_len anyway, this only bounds the router's load estimate.
+# Chat requests without max_tokens: OpenAI means "until the context is full". Sent with
+# fit_context, so the replica lowers it to the room left; it also bounds the router's load
+# estimate.
 CHAT_DEFAULT_MAX_TOKENS = 1024
 
 
@@ -138,8 +139,10 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> pb.
     max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
+    if max_tokens is None and default_max_tokens is not None:
+        # OpenAI's "until the context is full": the replica, which knows max_model_len,
+        # settles the default down to the room the prompt leaves (no error, no retry).
+        max_tokens, sp.fit_context = default_max_tokens, True
     _set_int(sp, "max_tokens", max_tokens, "max_tokens")
     for name in ("temperature", "top_p", "min_p"):
         value = _float(body, name)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from replica.bench.timing import seconds_per_call
+from replica.engine_request import EngineRequest
 
 PARTS = ("gemm", "attention", "other", "logits", "sampling", "host")
 LABELS = {
@@ -212,7 +213,7 @@ def start_decoding(engine, prompts: list[list[int]], max_tokens: int) -> None:
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"breakdown-{i}-{time.monotonic_ns()}", prompt, params)
+        engine.add(EngineRequest(f"breakdown-{i}-{time.monotonic_ns()}", prompt, params))
     sched = engine.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()

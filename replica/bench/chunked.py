@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from replica.bench.timing import make_llm, random_prompts
+from replica.engine_request import EngineRequest
 from replica.sampling_params import SamplingParams
 
 HELP = "chunked prefill: streams' worst gap when a long prompt arrives"
@@ -28,14 +29,16 @@ def run(args) -> dict:
     def run(with_arrival: bool) -> float:
         engine.reset_prefix_cache()
         for i, p in enumerate(streams):
-            engine.add_request(f"s{i}-{with_arrival}", p, params)
+            engine.add(EngineRequest(f"s{i}-{with_arrival}", p, params))
         last: dict[str, float] = {}
         worst = 0.0
         steps = 0
         while engine.has_unfinished_requests():
             if with_arrival and steps == 4:
-                engine.add_request(
-                    f"long-{time.perf_counter()}", long_prompt, SamplingParams(max_tokens=1)
+                engine.add(
+                    EngineRequest(
+                        f"long-{time.perf_counter()}", long_prompt, SamplingParams(max_tokens=1)
+                    )
                 )
             outs = engine.step()
             now = time.perf_counter()
@@ -54,7 +57,7 @@ def run(args) -> dict:
     # by chunk under the same budget; its slowest chunk (the last, attending to the longest
     # prefix) is what an arrival can add to a stream's gap at most.
     engine.reset_prefix_cache()
-    engine.add_request("alone", long_prompt, SamplingParams(max_tokens=1))
+    engine.add(EngineRequest("alone", long_prompt, SamplingParams(max_tokens=1)))
     chunk_times = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from replica.bench.timing import make_llm, random_prompts
+from replica.engine_request import EngineRequest
 from replica.sampling_params import SamplingParams
 
 HELP = "paged KV memory: slots allocated vs used per running request"
@@ -26,7 +27,7 @@ def run(args) -> dict:
         for _ in prompts
     ]
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
+        engine.add(EngineRequest(str(i), p, sp))
     worst_waste_per_req = 0.0
     samples = 0
     while engine.has_unfinished_requests():

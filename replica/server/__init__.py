@@ -3,9 +3,8 @@
 ``replica/`` holds the engine (importable without grpc or Redis); this package wraps it for the
 network: ``server`` (process lifecycle), ``servicers`` (the gRPC methods), ``engine_loop`` (the
 thread that owns the engine), ``request_mapping`` (wire <-> engine), ``kv_publisher`` (Redis
-lease and block events), ``block_service`` (``FetchBlocks``: KV blocks to a peer),
-``peer_fetch`` (KV blocks from a peer on a miss), ``metrics`` (Prometheus) and ``config``
-(flags and environment).
+lease and block events), ``metrics`` (Prometheus) and ``config`` (flags and environment).
+Peer KV fetch, both sides of it, lives in ``replica/fetch/``.
 ``python -m replica.server`` and ``prefixmesh replica`` start one.
 """
 

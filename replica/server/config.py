@@ -62,13 +62,13 @@ class ServerConfig:
     tls_client_ca: str = ""
     tls_ca: str = ""
     grace_period: float = 10.0
-    # Fetch-on-miss (replica/server/peer_fetch.py): a peer's KV blocks instead of a prefill.
+    # Fetch-on-miss (replica/fetch/client.py): a peer's KV blocks instead of a prefill.
     fetch: bool = True
     fetch_timeout: float = 10.0
     fetch_min_blocks: int = 1
     fetch_mb_per_s: float = 200.0
     fetch_prefill_tokens_per_s: float = 1000.0
-    warm_start_share: float = 0.0  # replica/server/warm_start.py; 0: off
+    warm_start_share: float = 0.0  # replica/fetch/warm_start.py; 0: off
     attention_backend: str = "auto"
     device: str = "cpu"
     scheduling_policy: str = "fcfs"

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefixmesh.limits import check_context
+from prefixmesh.prompt_ids import prompt_token_ids
 from prefixmesh.stop_strings import unsent_text
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
@@ -16,8 +18,6 @@ from replica.detokenizer import resumed_text
 from replica.engine_request import EngineRequest
 from replica.outputs import StepOutput
 from replica.sampling_params import SamplingParams
-
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 # Proto optional fields that map one to one onto SamplingParams (unset = the engine default).
 _OPTIONAL_FIELDS = (
@@ -58,35 +58,20 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt as token ids, tokenized exactly as the engine would tokenize it."""
-    kind = request.WhichOneof("input")
-    if kind is None:
-        raise ValueError("input is required: set one of text, token_ids or chat")
-    if kind == "text":
-        if not request.text:
-            raise ValueError("text must not be empty")
-        return tokenizer.encode(request.text)
-    if kind == "token_ids":
-        ids = list(request.token_ids.ids)
-        if not ids:
-            raise ValueError("token_ids.ids must not be empty")
-        return ids
-    chat = request.chat
-    if not chat.messages:
-        raise ValueError("chat.messages must not be empty")
-    messages = []
-    for i, message in enumerate(chat.messages):
-        if message.role not in CHAT_ROLES:
-            raise ValueError(
-                f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)} "
-                f"(got {message.role!r})"
-            )
-        messages.append({"role": message.role, "content": message.content})
-    add_generation_prompt = (
-        chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    )
-    return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+def context_budget(
+    sp: pb.SamplingParams, params: SamplingParams, num_prompt_tokens: int, max_model_len: int
+) -> int:
+    """The output budget, whole (resumed tokens included, so before they are subtracted): with
+    ``fit_context`` ``max_tokens`` shrinks to the room the prompt leaves; a ``max_tokens`` the
+    client set must fit (``check_context``); the default is left to stop at the context."""
+    if sp.fit_context:
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            check_context(num_prompt_tokens, params.max_tokens, max_model_len)  # names it
+        return min(params.max_tokens, room)
+    if sp.HasField("max_tokens"):
+        check_context(num_prompt_tokens, params.max_tokens, max_model_len)
+    return params.max_tokens
 
 
 def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
@@ -102,15 +87,19 @@ def engine_request(
     *,
     request_id: str = "",
     arrival_time: float | None = None,
+    max_model_len: int | None = None,
 ) -> MappedRequest:
     """Validate and convert a request; ``ValueError`` names the first bad field.
 
     ``request_id`` is the engine's id for it (unique in the engine; the client's may collide).
+    With ``max_model_len`` (a server's), the output budget is settled against the context.
     """
     params = sampling_params(request.sampling)
     ids = prompt_token_ids(request, tokenizer)
     if request.WhichOneof("input") == "token_ids":
         _check_ids("token_ids.ids", ids, vocab_size)
+    if max_model_len is not None:
+        params.max_tokens = context_budget(request.sampling, params, len(ids), max_model_len)
     resumed = list(request.resume_token_ids)
     _check_ids("resume_token_ids", resumed, vocab_size)
     if resumed:
@@ -136,7 +125,7 @@ def engine_request(
         prompt=ids + resumed,
         params=params,
         priority=request.priority,
-        cache_salt=request.cache_salt or None,
+        cache_salt=request.cache_salt,
         arrival_time=arrival_time,
         unsent_text=unsent,
     )

@@ -36,15 +36,16 @@ from prefixmesh.tenants import TenantLimiter, TenantLimits
 from prefixmesh.tls import TlsFiles
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
+from replica.fetch.client import FetchConfig, PeerFetcher, RedisHolders
+from replica.fetch.holder import BlockService
+from replica.fetch.layout import KVLayout
+from replica.fetch.warm_start import warm_start
 from replica.server.admission import Admission
-from replica.server.block_service import BlockService, KVLayout
 from replica.server.config import ServerConfig, parse_config
 from replica.server.engine_loop import EngineLoop
 from replica.server.kv_publisher import KVEventBuffer, KVPublisher
 from replica.server.metrics import ReplicaMetrics
-from replica.server.peer_fetch import FetchConfig, PeerFetcher, RedisHolders
 from replica.server.servicers import GeneratorService, ReplicaService, ServedModel
-from replica.server.warm_start import warm_start
 
 if TYPE_CHECKING:
     from prefixmesh.openai.http import OpenAIHttpServer
@@ -133,7 +134,7 @@ class ReplicaServer:
         for name in ("", *services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.warm_start_share > 0 and self.fetcher is not None and self.fetcher.holders:
-            # After SERVING: readiness never waits for it (replica/server/warm_start.py).
+            # After SERVING: readiness never waits for it (replica/fetch/warm_start.py).
             self.warm_start = asyncio.ensure_future(
                 warm_start(self.fetcher, self.engine.block_manager.num_blocks,
                            cfg.warm_start_share)

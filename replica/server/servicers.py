@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING
 import grpc
 
 from prefixmesh.hashing import HASH_SCHEME
-from prefixmesh.limits import RequestLimits, abort_busy, check_context, check_request
+from prefixmesh.limits import RequestLimits, abort_busy, check_request
 from prefixmesh.tenants import TenantBusy, TenantLimiter, Ticket, tenant_of_call
 from prefixmesh.tokenizer import Tokenizer
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
+from replica.fetch.holder import BlockService
 from replica.server.admission import Admission
-from replica.server.block_service import BlockService
 from replica.server.engine_loop import EngineFailure, EngineLoop, RequestHandle
 from replica.server.metrics import ReplicaMetrics
 from replica.server.request_mapping import MappedRequest, engine_request, response
 
 if TYPE_CHECKING:
     from replica.engine import EngineStats, LLMEngine
-    from replica.server.peer_fetch import PeerFetcher
+    from replica.fetch.client import PeerFetcher
 
 log = logging.getLogger(__name__)
 Ctx = grpc.aio.ServicerContext  # every servicer method gets one
@@ -76,7 +76,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.metrics = metrics
         self.limits = limits  # prefixmesh/limits.py: bounded requests
         self.tenants = tenants  # prefixmesh/tenants.py: one tenant cannot starve others
-        self.fetcher = fetcher  # replica/server/peer_fetch.py: a peer's KV instead of prefill
+        self.fetcher = fetcher  # replica/fetch/client.py: a peer's KV instead of prefill
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: Ctx
@@ -90,11 +90,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             check_request(request, self.limits)  # prefixmesh/limits.py: bounded requests
             req = engine_request(
                 request, self.model.tokenizer, self.model.vocab_size,
-                request_id=engine_id, arrival_time=arrival,
+                request_id=engine_id, arrival_time=arrival, max_model_len=self.model.max_model_len,
             )  # fmt: skip
-            if request.sampling.HasField("max_tokens"):
-                max_tokens = req.engine.params.max_tokens + req.num_resumed
-                check_context(req.num_prompt_tokens, max_tokens, self.model.max_model_len)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if admission.queue_full():
@@ -139,7 +136,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             return 0
         hint = request.fetch_hint if request.HasField("fetch_hint") else None
         try:
-            return await self.fetcher.fetch(req.prompt_token_ids, req.engine.cache_salt, hint)
+            return await self.fetcher.fetch(req.engine, hint)
         except Exception:
             log.exception("fetch from a peer failed; prefilling instead")
             return 0
@@ -213,7 +210,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         self.admission = admission
         self.model = model
         self.epoch = epoch  # the Redis lease's epoch ("" without Redis)
-        self.blocks = blocks  # FetchBlocks (replica/server/block_service.py)
+        self.blocks = blocks  # FetchBlocks (replica/fetch/holder.py)
         self.fetcher = fetcher  # only read for its counts
 
     async def GetLoad(self, request: pb.Empty, context: Ctx) -> pb.ReplicaLoad:  # noqa: N802

@@ -32,14 +32,14 @@ from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from replica.server.peer_fetch import Holder, PeerFetcher
+    from replica.fetch.client import Holder, PeerFetcher
 
 log = logging.getLogger(__name__)
 
 
 async def hottest_blocks(fetcher: PeerFetcher, limit: int) -> tuple[Holder | None, list[bytes]]:
     """The ``limit`` blocks most live peers hold (not held here), and the peer holding most."""
-    from replica.server.peer_fetch import Holder
+    from replica.fetch.client import Holder
 
     holders = fetcher.holders
     if holders is None or limit <= 0:
@@ -61,8 +61,8 @@ async def hottest_blocks(fetcher: PeerFetcher, limit: int) -> tuple[Holder | Non
         if address and model == layout.model_id and block_size == str(layout.block_size):
             held[peer] = (address, blocks)
             counts.update(blocks)
-    manager = fetcher.loop.engine.block_manager
-    hot = [h for h, _ in counts.most_common() if not manager.match_prefix([h])][:limit]
+    engine = fetcher.loop.engine
+    hot = [h for h, _ in counts.most_common() if not engine.cached_prefix_blocks([h])][:limit]
     if not hot:
         return None, []
     peer, (address, blocks) = max(held.items(), key=lambda kv: len(blocks_in(kv[1][1], hot)))
@@ -111,13 +111,13 @@ async def pull_chains(
         request, timeout=fetcher.config.timeout_s, metadata=bearer_metadata(fetcher.api_key)
     )
     root = root_hash(layout.model_id, None)
-    manager = fetcher.loop.engine.block_manager
+    engine = fetcher.loop.engine
     accepted: set[bytes] = set()
     blocks: list[pb.KVBlock] = []
     try:
         async for block in call:
             parent = block.parent_hash or root
-            known = parent == root or parent in accepted or manager.match_prefix([parent])
+            known = parent == root or parent in accepted or engine.cached_prefix_blocks([parent])
             if not known or hash_block(parent, block.token_ids) != block.block_hash:
                 call.cancel()
                 log.warning("warm start: %s sent a block off its chain", holder.replica_id)

@@ -26,16 +26,17 @@ from redis.exceptions import RedisError
 
 from prefixmesh import redis_layout
 from prefixmesh.auth import bearer_metadata
-from prefixmesh.hashing import BlockHash, block_hashes, hash_block, root_hash
+from prefixmesh.hashing import BlockHash, hash_block, root_hash
 from prefixmesh.tls import TlsFiles, aio_channel
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
-from replica.kv_transfer import FetchedBlocks, layer_tensor
+from replica.fetch.transfer import FetchedBlocks, layer_tensor
 
 if TYPE_CHECKING:
     import torch
 
-    from replica.server.block_service import KVLayout
+    from replica.engine_request import EngineRequest
+    from replica.fetch.layout import KVLayout
     from replica.server.engine_loop import EngineLoop
     from replica.server.metrics import ReplicaMetrics
 
@@ -203,19 +204,22 @@ class PeerFetcher:
         self.last_transfer: tuple[int, float] | None = None  # bytes, seconds (benchmarks)
         self._inflight: dict[BlockHash, asyncio.Future[int]] = {}  # by the deepest hash wanted
 
-    async def fetch(
-        self, prompt: list[int], cache_salt: str | None, hint: pb.FetchHint | None
-    ) -> int:
-        """Fetch the prompt's leading blocks from a peer if that pays; tokens fetched."""
+    async def fetch(self, request: EngineRequest, hint: pb.FetchHint | None) -> int:
+        """Fetch the prompt's leading blocks from a peer if that pays; tokens fetched. The
+        prompt's block hashes are computed here once and left in ``request.block_hashes`` for
+        the engine's scheduler."""
+        engine = self.loop.engine
+        prompt = request.prompt
+        assert isinstance(prompt, list)  # the wire mapping always tokenizes
         bs = self.layout.block_size
         cacheable = (len(prompt) - 1) // bs  # never the last token: it needs logits
-        hashes = block_hashes(prompt, bs, self.layout.model_id, cache_salt, cacheable)
-        manager = self.loop.engine.block_manager
-        if not hashes or not manager.enable_prefix_caching:
+        if request.block_hashes is None:
+            request.block_hashes = engine.prompt_block_hashes(prompt, request.cache_salt)
+        hashes = request.block_hashes[:cacheable]
+        cache_salt = request.cache_salt
+        if not hashes or not engine.config.enable_prefix_caching:
             return 0
-        # A read of the block index from the event loop: a stale answer only changes whether
-        # this request fetches, and dict lookups are atomic under the GIL.
-        local = len(manager.match_prefix(hashes))
+        local = engine.cached_prefix_blocks(hashes)
         if local == len(hashes):  # held here already: nothing to gain, no Redis round trip
             return 0
         holder = await self._holder(hashes, local, hint)
@@ -236,7 +240,7 @@ class PeerFetcher:
         return await asyncio.shield(transfer)
 
     async def _transfer(
-        self, holder: Holder, hashes: list[BlockHash], local: int, cache_salt: str | None
+        self, holder: Holder, hashes: list[BlockHash], local: int, cache_salt: str
     ) -> int:
         """Pull blocks ``local`` .. ``holder.num_blocks`` and insert them; tokens inserted."""
         bs = self.layout.block_size
@@ -277,13 +281,13 @@ class PeerFetcher:
         holder: Holder,
         hashes: list[BlockHash],
         start: int,
-        cache_salt: str | None,
+        cache_salt: str,
         timeout: float,
     ) -> tuple[list[pb.KVBlock], str]:
         """The blocks that arrived and check out, and how the transfer ended."""
         request = pb.FetchBlocksRequest(
             block_hashes=hashes[: holder.num_blocks],
-            cache_salt=cache_salt or "",
+            cache_salt=cache_salt,
             model=self.layout.model_id,
             dtype=self.layout.dtype,
             block_size=self.layout.block_size,

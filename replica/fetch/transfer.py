@@ -57,7 +57,7 @@ def chained_prefix(
     hashes: Sequence[BlockHash],
     token_ids: Sequence[tuple[int, ...] | None],
     model_id: str,
-    cache_salt: str | None,
+    cache_salt: str,
 ) -> int:
     """How many leading blocks have tokens that hash, chained from the salt's root, to
     ``hashes``: the blocks a peer asking with ``cache_salt`` may receive."""

@@ -2,7 +2,7 @@
 peer's prompt that this replica holds, pinned while they stream.
 
 The pin is taken on the engine thread (a command between two steps); the KV is read off it
-(pinned, cached blocks are never written or reallocated, ``replica/kv_transfer.py``), a few
+(pinned, cached blocks are never written or reallocated, ``replica/fetch/transfer.py``), a few
 blocks at a time in a worker thread so neither the engine nor the event loop waits on the copy.
 The pin is released however the stream ends: completed, cancelled by the peer, or failed.
 The API key is checked by the server's interceptor, as for every other call.
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
 from prefixmesh.hashing import HASH_SCHEME
 from proto import prefixmesh_pb2 as pb
-from replica.kv_transfer import read_blocks
+from replica.fetch.layout import KVLayout
+from replica.fetch.transfer import read_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -29,28 +29,6 @@ if TYPE_CHECKING:
 
 READ_CHUNK = 8  # blocks per read off the engine thread
 MAX_HASHES = 65536  # a 1M-token prompt of 16-token blocks
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """What must match between two replicas for a block of one to be valid in the other."""
-
-    model_id: str
-    dtype: str  # "bfloat16", "float32", ...
-    block_size: int
-    hash_scheme: str = HASH_SCHEME
-
-    def mismatch(self, model: str, dtype: str, block_size: int, hash_scheme: str) -> str:
-        """Why a peer's blocks do not fit this layout ("" when they do)."""
-        for name, mine, theirs in (
-            ("model", self.model_id, model),
-            ("dtype", self.dtype, dtype),
-            ("block_size", self.block_size, block_size),
-            ("hash_scheme", self.hash_scheme, hash_scheme),
-        ):
-            if mine != theirs:
-                return f"{name} differs: this replica has {mine!r}, the request {theirs!r}"
-        return ""
 
 
 class BlockService:
@@ -102,7 +80,7 @@ class BlockService:
     ) -> AsyncIterator[pb.KVBlock]:
         await self.check(request, context)
         hashes = list(request.block_hashes)
-        salt = request.cache_salt or None
+        salt = request.cache_salt
         if request.any_order:  # warm start: whole chains of the wanted blocks, parents first
             pinned = await self.loop.call_now(lambda e: e.pin_chains(hashes, salt, len(hashes)))
         else:
