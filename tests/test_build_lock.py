@@ -103,6 +103,8 @@ def test_replica_killed_mid_build_does_not_make_the_next_wait(
     first = _replica("first", tiny_model_dir, free_port(), env)
     try:
         _wait_for_compile(folder, first.alive)
+        os.killpg(first.proc.pid, signal.SIGKILL)  # kill -9: the replica and its compiler
+        first.proc.wait(30)
     finally:
         first.stop(signal.SIGKILL)
     assert (folder / "lock").exists()  # the leftover that used to hang every later start
