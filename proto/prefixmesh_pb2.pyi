@@ -264,7 +264,7 @@ class CacheState(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "block_size", "hash_scheme", "max_model_len", "tokenizer_json", "tokenizer_config_json", "replica_id")
+    __slots__ = ("model", "block_size", "hash_scheme", "max_model_len", "tokenizer_json", "tokenizer_config_json", "replica_id", "kernel_build", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,8 @@ class ModelInfo(_message.Message):
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_BUILD_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     hash_scheme: str
@@ -279,7 +281,9 @@ class ModelInfo(_message.Message):
     tokenizer_json: bytes
     tokenizer_config_json: bytes
     replica_id: str
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., max_model_len: _Optional[int] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    kernel_build: str
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., max_model_len: _Optional[int] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., kernel_build: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("replica_id", "address", "model", "block_size", "load", "requests", "prompt_tokens", "cached_tokens", "hit_rate", "inflight_tokens", "http_address", "cached_blocks", "epoch")

@@ -85,7 +85,7 @@ def test_replica_image_installs_cpu_torch_pinned() -> None:
     dockerfile = (DEPLOY / "Dockerfile.replica").read_text()
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
     assert re.search(
-        r'--extra-index-url "\$\{TORCH_INDEX_URL\}" -c /src/constraints.txt', dockerfile
+        r'--extra-index-url "\$\{TORCH_INDEX_URL\}" \\\s+-c /src/constraints.txt', dockerfile
     )
     assert '"/src[${EXTRAS}]"' in dockerfile and "ARG EXTRAS=replica" in dockerfile
 
@@ -322,3 +322,26 @@ def test_k8s_manifests_probe_grpc_health_and_select_their_pods() -> None:
     assert sorted(kustomization["resources"]) == sorted(
         p.name for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml"
     )
+
+
+# The Kubernetes release the manifests are checked against (kubernetes-validate's schemas, offline).
+K8S_VERSION = "1.30.0"
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_schemas() -> None:
+    import kubernetes_validate
+
+    checked = []
+    for folder in ("k8s",):  # k8s-tls holds strategic-merge patches, not whole objects
+        for path in sorted((DEPLOY / folder).glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                if not doc or doc.get("kind") == "Kustomization":  # a kustomize file, no API
+                    continue
+                # strict: a misspelt or misplaced field fails, not only a missing one
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+                checked.append(f"{path.name}:{doc['kind']}")
+    assert len(checked) >= 6, checked
+    with pytest.raises(kubernetes_validate.ValidationError):  # the check can fail
+        bad = next(d for d in _k8s_docs() if d["kind"] == "Deployment")
+        bad["spec"]["replicas"] = "three"
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)

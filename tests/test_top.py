@@ -71,6 +71,10 @@ class _Replica(pb_grpc.ReplicaServicer):
             fetched_tokens=4321,
         )
 
+    def GetModelInfo(self, request, context):  # noqa: N802
+        _check_key(context, self.key)
+        return pb.ModelInfo(kernel_build="cpu_ops avx512 (prebuilt)", dtype="bfloat16")
+
 
 @contextmanager
 def _serve(router_key: str = "", replica_key: str = "") -> Iterator[str]:
@@ -96,11 +100,14 @@ def fake_router() -> Iterator[str]:
 def test_once_renders_every_replica_hit_rate(fake_router: str, capsys) -> None:
     assert top.main(["--router", fake_router, "--once"]) == 0
     out = capsys.readouterr().out
-    lines = {line.split()[1]: line for line in out.splitlines() if "replica-" in line}
+    rows = [ln for ln in out.splitlines() if "replica-" in ln and not ln.startswith("kernels")]
+    lines = {line.split()[1]: line for line in rows}
     assert set(lines) == {"replica-a", "replica-b"}
     assert "75.0%" in lines["replica-a"] and "12.5%" in lines["replica-b"]
     assert "25.0%" in lines["replica-a"]  # engine-side hit rate from Replica.GetStats
     assert "4321" in lines["replica-a"]  # tokens it fetched from peers
+    # Replica.GetModelInfo; the same server plays replica-a only
+    assert "kernels: cpu_ops avx512 (prebuilt) bfloat16 on replica-a" in out
     assert "cluster hit rate 62.4%" in out
     assert "cold 3" in out and "warm 7" in out and "failovers 1" in out
     # the router's miss attribution, in blocks and as shares of the cacheable ones

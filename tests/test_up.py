@@ -145,8 +145,8 @@ def run_up_generate_top(
             env=env | ({"PREFIXMESH_API_KEY": api_key} if api_key else {}),
         )  # fmt: skip
         assert top.returncode == 0, top.stderr
-        rows = [line for line in top.stdout.splitlines() if "replica-" in line]
-        assert len(rows) == 2 and all("%" in row for row in rows), top.stdout
+        rows = [ln for ln in top.stdout.splitlines() if "replica-" in ln and "kernels:" not in ln]
+        assert len(rows) == 2 and all("%" in r for r in rows) and "kernels: " in top.stdout
         assert "refused" not in top.stdout  # the replicas took the key for GetStats too
 
         if kill_and_restart:

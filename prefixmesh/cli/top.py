@@ -36,6 +36,7 @@ class Snapshot:
     state: pb.ClusterState
     stats: dict[str, pb.ReplicaStats] = field(default_factory=dict)  # by replica_id
     refused: list[str] = field(default_factory=list)  # replicas that refused the API key
+    kernels: dict[str, str] = field(default_factory=dict)  # by replica_id: "cpu_ops avx512 ..."
 
 
 class Poller:
@@ -57,6 +58,7 @@ class Poller:
         self._router_channel = tls.channel(router, tls_files)
         self._cluster = pb_grpc.ClusterStub(self._router_channel)
         self._replicas: dict[str, tuple[grpc.Channel, pb_grpc.ReplicaStub]] = {}
+        self._kernels: dict[str, str] = {}  # by address: asked once, it never changes
 
     def poll(self) -> Snapshot:
         state = self._cluster.ListReplicas(
@@ -73,7 +75,20 @@ class Poller:
                     continue
                 if stats is not None:
                     snap.stats[info.replica_id] = stats
+                    snap.kernels[info.replica_id] = self._kernel_build(info.address)
         return snap
+
+    def _kernel_build(self, address: str) -> str:
+        if address not in self._kernels:
+            stub = self._replicas[address][1]
+            try:
+                info = stub.GetModelInfo(
+                    pb.Empty(), timeout=self.timeout_s, metadata=self._metadata
+                )
+            except grpc.RpcError:  # an older replica: asked again next refresh
+                return "?"
+            self._kernels[address] = f"{info.kernel_build or '?'} {info.dtype}".strip()
+        return self._kernels[address]
 
     def _replica_stats(self, address: str) -> pb.ReplicaStats | None:
         if not address:
@@ -103,6 +118,19 @@ def _rate(cur: Snapshot, prev: Snapshot | None, replica_id: str) -> str:
     if dt <= 0 or now.epoch != before.epoch:  # a restarted replica's counters began again
         return "-"
     return f"{(now.generation_tokens - before.generation_tokens) / dt:.1f}"
+
+
+def _kernels(by_replica: dict[str, str]) -> Text:
+    """One line: each kernel build and dtype in use, with the replicas running it."""
+    builds: dict[str, list[str]] = {}
+    for replica_id, build in sorted(by_replica.items()):
+        builds.setdefault(build, []).append(replica_id)
+    line = Text("kernels: ")
+    for build, ids in builds.items():
+        # The torch path is several times slower on a CPU: an operator must not miss it.
+        line.append(build, style="bold red" if build.startswith("torch path") else "bold")
+        line.append(f" on {', '.join(ids)}   ")
+    return line
 
 
 def _hit_bar(rate: float, width: int = 10) -> Text:
@@ -153,7 +181,7 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         f"errors {r.errors}   predicted cached {r.predicted_cached_tokens} / actual "
         f"{r.actual_cached_tokens} tokens"
     )
-    parts = [header, table, routing, _misses(r)]
+    parts = [header, table, _kernels(cur.kernels), routing, _misses(r)]
     if not cur.refused:
         return Group(*parts)
     refused = Text(

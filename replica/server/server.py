@@ -43,6 +43,7 @@ from replica.fetch.warm_start import warm_start
 from replica.server.admission import Admission
 from replica.server.config import ServerConfig, parse_config
 from replica.server.engine_loop import EngineLoop
+from replica.server.kernel_report import kernel_build
 from replica.server.kv_publisher import KVEventBuffer, KVPublisher
 from replica.server.metrics import ReplicaMetrics
 from replica.server.servicers import GeneratorService, ReplicaService, ServedModel
@@ -140,9 +141,11 @@ class ReplicaServer:
                            cfg.warm_start_share)
             )  # fmt: skip
         log.info(
-            "replica %s serving %s on %s:%d (advertised %s)%s",
+            "replica %s serving %s (%s, kernels: %s) on %s:%d (advertised %s)%s",
             self.replica_id,
             self.engine.model_id,
+            str(self.engine.dtype).removeprefix("torch."),
+            kernel_build(self.engine),
             cfg.host,
             self.port,
             self.address,
@@ -161,9 +164,10 @@ class ReplicaServer:
             max_model_len=engine.max_model_len,
             vocab_size=int(engine.model_config.vocab_size),
             tokenizer=engine.tokenizer,
+            kernel_build=kernel_build(engine),
+            dtype=str(engine.dtype).removeprefix("torch."),
         )
-        layout = KVLayout(engine.model_id, str(engine.dtype).removeprefix("torch."),
-                          engine.block_size)  # fmt: skip
+        layout = KVLayout(engine.model_id, model.dtype, engine.block_size)
         if self.config.fetch:
             self.fetcher = self._peer_fetcher(loop, layout, metrics)
         generator = GeneratorService(

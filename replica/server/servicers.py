@@ -46,6 +46,8 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     tokenizer: Tokenizer
+    kernel_build: str = ""  # kernels.cpu_ops.describe(), "triton ...": what runs the model
+    dtype: str = ""
 
 
 def load_message(stats: EngineStats, replica_id: str) -> pb.ReplicaLoad:
@@ -245,6 +247,8 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             tokenizer_json=model.tokenizer.tokenizer_json,
             tokenizer_config_json=model.tokenizer.tokenizer_config_json,
             replica_id=model.replica_id,
+            kernel_build=model.kernel_build,
+            dtype=model.dtype,
         )
 
     async def GetCacheState(self, request: pb.Empty, context: Ctx) -> pb.CacheState:  # noqa: N802
