@@ -21,12 +21,13 @@ memory would see.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loadtest.belady import BeladyOrder, use_times
 from loadtest.request import LoadRequest
+from prefixmesh.eviction import EvictionOrder, LruOrder, make_order
 from prefixmesh.hashing import block_hashes
 
 _MODEL_ID = "loadtest"  # any fixed id: only equality of hashes matters here
@@ -46,58 +47,83 @@ class Ceiling:
 
 
 class LruBlockCache:
-    """A prefix cache of block hashes with LRU eviction, like one replica's block pool."""
+    """A prefix cache of block hashes, like one replica's block pool; evicts in ``order``
+    (least recently used when none is given, as the replica's ``--eviction lru``)."""
 
-    def __init__(self, capacity_blocks: int | None) -> None:
+    def __init__(self, capacity_blocks: int | None, order: EvictionOrder | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
         self.capacity = capacity_blocks
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self.order: EvictionOrder = order if order is not None else LruOrder()
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self.order)
 
     def __contains__(self, h: bytes) -> bool:
-        return h in self._blocks
+        return h in self.order
 
     def match(self, hashes: Sequence[bytes], max_blocks: int) -> int:
-        """Leading blocks of ``hashes`` (at most ``max_blocks``) held now."""
+        """Leading blocks of ``hashes`` (at most ``max_blocks``) held now; tells the order
+        which were found and which were wanted but gone."""
         hits = 0
         for h in hashes[:max_blocks]:
-            if h not in self._blocks:
+            if h not in self.order:
                 break
             hits += 1
+        for h in hashes[:hits]:
+            self.order.reused(h)
+        for h in hashes[hits:max_blocks]:
+            self.order.missed(h)
         return hits
 
     def insert(self, hashes: Sequence[bytes], transient: int = 0) -> None:
         """Run a request's blocks through the cache as a replica does: the blocks it finds are
-        referenced (out of the LRU order while it runs), new ones are allocated, each evicting
-        the least recently used unreferenced block, and when the request ends all of them
-        rejoin the LRU order tail first, the root last. ``transient`` blocks (a partly filled
-        last block) take room while it runs and are then freed, not cached."""
+        referenced (out of the eviction order while it runs), new ones are allocated, each
+        evicting the order's victim, and when the request ends all of them rejoin the order
+        tail first, the root last. ``transient`` blocks (a partly filled last block) take room
+        while it runs and are then freed, not cached."""
         if self.capacity == 0:
             return
-        held = [h for h in hashes if h in self._blocks]
+        order = self.order
+        held = [h for h in hashes if h in order]
         for h in held:
-            del self._blocks[h]
+            order.remove(h)
         kept = set(held)
         in_use = len(kept)
         fresh = [h for h in hashes if h not in kept]
+        for i, h in enumerate(hashes):
+            if h not in kept:
+                order.cached(h, hashes[i - 1] if i else None)
         for i in range(len(fresh) + transient):
-            if self.capacity is not None and len(self._blocks) + in_use >= self.capacity:
-                if not self._blocks:
+            if self.capacity is not None and len(order) + in_use >= self.capacity:
+                victim = order.victim()
+                if victim is None:
                     break  # the request alone fills the pool: its tail is not cached
-                self._blocks.popitem(last=False)
+                order.forget(victim)
             in_use += 1
             if i < len(fresh):
                 kept.add(fresh[i])
-        for h in reversed(hashes):
-            if h in kept and h not in self._blocks:
-                self._blocks[h] = None
+        for i in range(len(hashes) - 1, -1, -1):
+            h = hashes[i]
+            if h in kept and h not in order:
+                order.add(h, hashes[i - 1] if i else None)
 
 
 def request_hashes(r: LoadRequest, block_size: int) -> list[bytes]:
     return block_hashes(r.token_ids, block_size, _MODEL_ID, r.cache_salt or None)
+
+
+def _order(
+    eviction: str, capacity_blocks: int | None, requests: list[LoadRequest], block_size: int
+) -> EvictionOrder:
+    """The cache's eviction order: a replica's policy by name, or ``belady`` (offline MIN,
+    which reads the hit ranges of every request to come)."""
+    if eviction != "belady":
+        return make_order(eviction, capacity_blocks or 0)
+    spans = [
+        request_hashes(r, block_size)[: (len(r.token_ids) - 1) // block_size] for r in requests
+    ]
+    return BeladyOrder(use_times(spans))
 
 
 def ceiling(
@@ -105,16 +131,22 @@ def ceiling(
     block_size: int,
     capacity_blocks: int | None = None,
     warmup: Iterable[LoadRequest] = (),
+    eviction: str = "lru",
 ) -> Ceiling:
     """The hit rate of one cache of ``capacity_blocks`` (None: unlimited) over ``measured`` in
-    send order; ``warmup`` requests went earlier and warm the cache but do not count."""
+    send order, evicting by ``eviction`` (``lru``, ``reuse``, or ``belady``: offline optimal);
+    ``warmup`` requests went earlier and warm the cache but do not count."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    cache = LruBlockCache(capacity_blocks)
+    warmup, measured = list(warmup), list(measured)
+    order = _order(eviction, capacity_blocks, warmup + measured, block_size)
+    cache = LruBlockCache(capacity_blocks, order)
     prompt = cached = 0
     seq = 0
     for counted, reqs in ((False, warmup), (True, measured)):
         for r in reqs:
+            if isinstance(order, BeladyOrder):
+                order.now = seq
             seq += 1
             hashes = request_hashes(r, block_size)
             hits = cache.match(hashes, (len(r.token_ids) - 1) // block_size)

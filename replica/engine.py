@@ -143,6 +143,7 @@ class LLMEngine:
             config.enable_prefix_caching,
             on_stored=self._stored.append,
             on_removed=self._removed.append,
+            eviction=config.eviction,
         )
         self.host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         self.scheduler = Scheduler(config, self.block_manager, self.model_id, self.host_pool)

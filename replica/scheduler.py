@@ -121,6 +121,7 @@ class Scheduler:
         hashes = seq.block_hashes[: self._cacheable(seq)]
         blocks = self.bm.match_prefix(hashes)
         self.bm.touch(blocks)
+        self.bm.note_misses(hashes[len(blocks) :])
         self._release_kept(seq)
         n = len(blocks)
         if ahead:
