@@ -1,4 +1,4 @@
-"""Two ceilings for the prefix hit rate of a workload, computed offline from its token ids.
+"""Three ceilings for the prefix hit rate of a workload, computed offline from its token ids.
 
 - **unlimited**: one cache that never evicts. A request finds cached every leading full block
   that an earlier request's prompt already contained. What routing could reach if KV memory
@@ -7,8 +7,11 @@
   replicas' KV pools together (read from the cluster). What perfect routing without duplicate
   copies could reach with the memory the cluster actually has. The gap between the two is the
   part of the misses that no router can win back, only more memory.
+- **offline-optimal** (``belady``): the same capacity evicting by Belady's MIN under the prefix
+  rule (``loadtest/belady.py``): the block whose next use is farthest goes first. Its gap over
+  the capacity-aware one is what a better eviction policy (``--eviction``) could win back.
 
-Both follow the replicas' rules (``replica/block_manager.py``): the last prompt token is never
+All follow the replicas' rules (``replica/block_manager.py``): the last prompt token is never
 served from cache (its logits are needed), so only blocks within the first ``len - 1`` tokens
 count as hits; a request holds the blocks it finds while it runs, its new blocks evict the least
 recently used ones, and afterwards every full block of its computed tokens (the prompt and its
@@ -171,16 +174,19 @@ def ceilings_summary(
     warmup: list[LoadRequest] = (),
 ) -> dict[str, object]:
     """The ``ceilings`` block of a run's summary (capacity-aware only when the capacity is
-    known: a router reports its replicas' pool sizes, a bare replica its own)."""
+    known: a router reports its replicas' pool sizes, a bare replica its own; so is the
+    offline-optimal ``belady`` one, the same capacity evicting by ``loadtest/belady.py``)."""
     unlimited = ceiling(measured, block_size, None, warmup)
     out: dict[str, object] = {
         "block_size": block_size,
         "unlimited": unlimited.hit_rate,
         "capacity_blocks": capacity_blocks,
         "capacity_aware": None,
+        "belady": None,
     }
     if capacity_blocks:
         out["capacity_aware"] = ceiling(measured, block_size, capacity_blocks, warmup).hit_rate
+        out["belady"] = ceiling(measured, block_size, capacity_blocks, warmup, "belady").hit_rate
     return out
 
 
@@ -209,6 +215,7 @@ def add_ceilings(
     c["achieved"] = achieved
     c["fraction_of_unlimited"] = fraction_of(achieved, c["unlimited"])
     c["fraction_of_capacity_aware"] = fraction_of(achieved, c["capacity_aware"])
+    c["fraction_of_belady"] = fraction_of(achieved, c["belady"])
     summary["block_size"] = block_size
     summary["best_hit_rate"] = c["unlimited"]
     summary["ceilings"] = c
