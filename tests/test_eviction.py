@@ -9,7 +9,8 @@ import random
 import pytest
 from test_engine import make_llm, random_prompts
 
-from loadtest.ceilings import ceiling
+from loadtest.ceilings import add_ceilings, ceiling
+from loadtest.report import ceiling_rows
 from loadtest.request import LoadRequest
 from prefixmesh.eviction import EVICTION_POLICIES, make_order
 from replica import SamplingParams
@@ -165,3 +166,14 @@ def test_belady_ceiling_on_a_crafted_trace():
     assert lru.cached_tokens == 0
     assert belady.cached_tokens == 3  # all of A's blocks on its second use
     assert ceiling(trace, 1, None).cached_tokens == 3  # = the unlimited ceiling here
+
+
+def test_the_report_carries_the_offline_optimal_ceiling():
+    a, b, c = [1, 2, 3], [10, 11, 12], [20, 21, 22]
+    trace = [req(a + [0]), req(b + [0]), req(c + [0]), req(a + [0])]
+    summary = {"hit_rate": 0.125}
+    add_ceilings(summary, trace, 1, 7)
+    got = summary["ceilings"]
+    assert got["capacity_aware"] == 0.0 and got["belady"] == 3 / 16
+    assert got["fraction_of_belady"] == pytest.approx(0.125 / (3 / 16))
+    assert any(label == "ceiling: offline-optimal" for label, _ in ceiling_rows(summary))
