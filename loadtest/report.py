@@ -34,7 +34,7 @@ def cluster_hit_rate(summary: dict[str, Any]) -> float | None:
 
 
 def ceiling_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """The two ceilings and the achieved rate as a fraction of each (loadtest/ceilings.py)."""
+    """The three ceilings and the achieved rate as a fraction of each (loadtest/ceilings.py)."""
     c = summary.get("ceilings")
     if not c:
         best = summary.get("best_hit_rate")
@@ -56,6 +56,14 @@ def ceiling_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         )
     else:
         rows.append(("ceiling: capacity-aware", "- (the replicas' KV pool sizes are unknown)"))
+    if c.get("belady") is not None:
+        rows.append(
+            (
+                "ceiling: offline-optimal",
+                f"{pct(c['belady'])} (Belady's MIN under the prefix rule, same blocks; achieved "
+                f"{pct(c.get('fraction_of_belady'))} of it)",
+            )
+        )
     return rows
 
 
@@ -140,6 +148,8 @@ COMPARE_ROWS: list[tuple[str, Any]] = [
         "achieved / capacity-aware",
         lambda s: pct(s.get("ceilings", {}).get("fraction_of_capacity_aware")),
     ),
+    ("ceiling: offline-optimal", lambda s: pct(s.get("ceilings", {}).get("belady"))),
+    ("achieved / offline-optimal", lambda s: pct(s.get("ceilings", {}).get("fraction_of_belady"))),
     ("TTFT mean (ms)", lambda s: _ms(s["latency_ms"]["ttft"]["mean"])),
     ("TTFT p50 (ms)", lambda s: _ms(s["latency_ms"]["ttft"]["p50"])),
     ("TTFT p90 (ms)", lambda s: _ms(s["latency_ms"]["ttft"]["p90"])),

@@ -60,6 +60,7 @@ from typing import Any
 from loadtest.ceilings import ceiling
 from loadtest.request import LoadRequest
 from prefixmesh.hashing import block_hashes
+from prefixmesh.reuse_order import ReuseOrder
 from router.attribution import MISS_KINDS, MissAttribution, PendingMisses
 from router.balance import RecentRequests, RoutedContent
 from router.config import RouterConfig
@@ -79,7 +80,7 @@ _ROUTER = RouterConfig()  # the router's defaults, which the simulation flags sh
 # The replica's --waiting-prefix-share default (replica/config.py, which the load tester does
 # not import: docs/design.md; tests/test_loadtest_simulate.py checks the two agree).
 WAITING_PREFIX_SHARE = 1.0
-EVICT_POLICIES = ("lru", "dup", "fetched")
+EVICT_POLICIES = ("lru", "dup", "fetched", "reuse")
 COLD_PLACEMENTS = ("policy", "oldest", "tree")
 
 
@@ -140,8 +141,10 @@ class BlockPool:
     ``evict`` picks the cached block a new one replaces: ``lru`` (the replica's rule: the least
     recently used), ``dup`` (the least recently used among the oldest ``evict_window`` that
     another replica also holds, by the exact cluster-wide ``holders`` count, else the least
-    recently used) or ``fetched`` (the same, where "another replica holds it" is known only for
-    blocks this replica fetched from a peer). A block with a cached child here is never taken
+    recently used), ``fetched`` (the same, where "another replica holds it" is known only for
+    blocks this replica fetched from a peer) or ``reuse`` (the replica's ``--eviction reuse``:
+    ``prefixmesh/reuse_order.py``, mirrored beside the LRU order, which the cold placement
+    still reads for the pool's age; the blocks a waiting request keeps still go last). A block with a cached child here is never taken
     out of turn: the chain behind it would stop matching.
     """
 
@@ -171,6 +174,7 @@ class BlockPool:
         self.children: dict[bytes, int] = {}  # cached children here, per parent hash
         self.marked: set[bytes] = set()  # fetched from a peer: it held them too
         self.kept: dict[bytes, int] = {}  # hash -> waiting requests keeping it (evicted last)
+        self.order = ReuseOrder(num_blocks) if evict == "reuse" else None
 
     def holds(self, h: bytes) -> bool:
         return h in self.refs or h in self.lru
@@ -211,8 +215,12 @@ class BlockPool:
         """The cached block to evict next (None: none outside ``keep``)."""
         if not self.lru:
             return None
+        if self.order is not None:
+            h = self.order.victim()
+            if h is not None and h not in keep and h not in self.kept:
+                return h
         oldest = next(self._eviction_order())
-        if self.evict != "lru":
+        if self.evict in ("dup", "fetched"):
             window = self.evict_window or len(self.lru)
             for h in itertools.islice(self._eviction_order(), window):
                 if h not in keep and h not in self.children and self._duplicated(h):
@@ -243,12 +251,16 @@ class BlockPool:
 
     def _evict(self, h: bytes) -> None:
         del self.lru[h]
+        if self.order is not None:
+            self.order.forget(h)
         self._removed(h)
         self.evicted += 1
 
     def reference(self, h: bytes) -> None:
         if h in self.lru:
             del self.lru[h]
+            if self.order is not None:
+                self.order.remove(h)
         self.refs[h] = self.refs.get(h, 0) + 1
 
     def take(self, n: int) -> None:
@@ -268,6 +280,8 @@ class BlockPool:
         else:
             self.refs[h] = 1
             self._added(h)
+            if self.order is not None:
+                self.order.cached(h, self.parents.get(h))
 
     def import_blocks(self, hashes: Sequence[bytes]) -> int:
         """Blocks fetched from a peer join the LRU order as cached, unreferenced blocks (the
@@ -276,7 +290,7 @@ class BlockPool:
         ours = set(hashes)
         for h in hashes:  # the ones already here are not evicted for the others
             if h in self.lru:
-                self.lru.move_to_end(h)
+                self._bump(h)
         held = 0
         for h in hashes:
             if not self.holds(h):
@@ -286,22 +300,45 @@ class BlockPool:
                         self._evict(victim)
                 if self.free() <= 0:
                     break
-                self.lru[h] = self.clock
+                self._rejoin(h)
                 self._added(h)
                 self.marked.add(h)
             held += 1
         for h in reversed(hashes[:held]):
             if h in self.lru:
-                self.lru.move_to_end(h)
+                self._bump(h)
         return held
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         """Mark cached blocks (a prefix, in order) as just used, tail first, as
         ``BlockManager.touch`` does for an arriving request; referenced ones stay as they are."""
         for h in reversed(hashes):
+            if self.order is not None:
+                self.order.reused(h)
             if h in self.lru:
                 self.lru.move_to_end(h)
                 self.lru[h] = self.clock
+                if self.order is not None:
+                    self.order.touch(h)
+
+    def missed(self, hashes: Sequence[bytes]) -> None:
+        """An arriving request wanted these blocks past its cached prefix (``reuse`` learns
+        from the ones it evicted)."""
+        if self.order is not None:
+            for h in hashes:
+                self.order.missed(h)
+
+    def _bump(self, h: bytes) -> None:
+        """A cached, unreferenced block moves to the young end without counting as used."""
+        self.lru.move_to_end(h)
+        if self.order is not None:
+            self.order.touch(h)
+
+    def _rejoin(self, h: bytes) -> None:
+        """A block becomes cached and unreferenced, as just used."""
+        self.lru[h] = self.clock
+        if self.order is not None:
+            self.order.add(h, self.parents.get(h))
 
     def release(self, held: Sequence[bytes], unhashed: int) -> None:
         """A request ended: its cached blocks rejoin the LRU order tail first."""
@@ -312,7 +349,7 @@ class BlockPool:
                 self.refs[h] = n
             else:
                 del self.refs[h]
-                self.lru[h] = self.clock
+                self._rejoin(h)
 
 
 def _uncount(counts: dict[bytes, int], hashes: Sequence[bytes]) -> None:
@@ -389,6 +426,7 @@ class ReplicaSim:
         cacheable = r.hashes[: (r.prompt_len - 1) // self.model.block_size]
         n = self.leading(cacheable)
         self.pool.touch(cacheable[:n])
+        self.pool.missed(cacheable[n:])
         while n < len(cacheable) and cacheable[n] in self.queued:
             n += 1
         limit = self.model.waiting_prefix_share * self.pool.num_blocks

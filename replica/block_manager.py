@@ -1,9 +1,10 @@
-"""The paged KV block pool: allocation on demand, ref counts, prefix cache, LRU eviction.
+"""The paged KV block pool: allocation on demand, ref counts, prefix cache, eviction.
 
 Every block is in exactly one of three states:
 - free: no owner, no hash (in ``_free``),
-- cached: no owner but holds the KV of a known block hash, reusable until evicted
-  least-recently-used (in ``_evictable``, oldest first; or in ``_kept``, see below),
+- cached: no owner but holds the KV of a known block hash, reusable until evicted (in
+  ``_evictable``, an eviction order by hash, ``--eviction``: ``prefixmesh/eviction.py``; or in
+  ``_kept``, see below),
 - in use: referenced by one or more sequences' block tables (``ref_count > 0``), hashed or not.
 
 A block gets its hash (and remembers its token ids, which a peer fetching it needs) once it is
@@ -28,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
 
+from prefixmesh.eviction import DEFAULT_EVICTION, EvictionOrder, make_order
 from prefixmesh.hashing import BlockHash
 
 
@@ -45,6 +47,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         on_stored: Callable[[BlockHash], None] | None = None,
         on_removed: Callable[[BlockHash], None] | None = None,
+        eviction: str = DEFAULT_EVICTION,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -56,7 +59,8 @@ class BlockManager:
         # can be walked back to its root for a peer's warm start (``chain``).
         self.block_parent: list[BlockHash | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Cached, unreferenced, unkept blocks, by hash, in the order ``eviction`` takes them.
+        self._evictable: EvictionOrder = make_order(eviction, num_blocks)
         # Cached, unreferenced blocks whose hash a waiting request keeps: evicted last.
         self._kept: OrderedDict[int, None] = OrderedDict()
         self._keep_counts: dict[BlockHash, int] = {}  # hash -> waiting requests keeping it
@@ -128,21 +132,46 @@ class BlockManager:
         """Take a reference on already-held blocks (a prefix-cache hit or a fork)."""
         for b in blocks:
             if self.ref_counts[b] == 0:
-                self._cached_pool(b).pop(b)
+                self._unpark(b)
             self.ref_counts[b] += 1
 
-    def _cached_pool(self, block: int) -> OrderedDict[int, None]:
-        """Where a cached, unreferenced block waits: ``_kept`` if its hash is kept."""
-        return self._kept if self.block_hash[block] in self._keep_counts else self._evictable
+    def _park(self, block: int) -> None:
+        """A cached block nobody references waits to be evicted: in ``_kept`` if its hash is
+        kept, else in the eviction order (as just used)."""
+        h = self.block_hash[block]
+        if h in self._keep_counts:
+            self._kept[block] = None
+        else:
+            self._evictable.add(h, self.block_parent[block])
+
+    def _unpark(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h in self._keep_counts:
+            del self._kept[block]
+        else:
+            self._evictable.remove(h)
 
     def touch(self, blocks: list[int]) -> None:
         """Mark cached ``blocks`` (a prefix, in order) as just used, so allocations evict them
         after every block nobody has asked for since. The tail is moved first, as ``release``
         orders them, so it stays the first of them to go. Referenced blocks are not evictable
-        and stay as they are."""
+        and stay as they are. The eviction order counts each block as reused."""
         for b in reversed(blocks):
-            if self.ref_counts[b] == 0 and self.block_hash[b] is not None:
-                self._cached_pool(b).move_to_end(b)
+            h = self.block_hash[b]
+            if h is None:
+                continue
+            self._evictable.reused(h)
+            if self.ref_counts[b] == 0:
+                if h in self._keep_counts:
+                    self._kept.move_to_end(b)
+                else:
+                    self._evictable.touch(h)
+
+    def note_misses(self, hashes: Iterable[BlockHash]) -> None:
+        """An arriving request wanted these blocks past its cached prefix: an adaptive order
+        learns from the ones it evicted (``ReuseOrder.missed``)."""
+        for h in hashes:
+            self._evictable.missed(h)
 
     def keep(self, hashes: list[BlockHash]) -> None:
         """A waiting request keeps these hashes (its prefix, in order; cached now or to be
@@ -154,8 +183,8 @@ class BlockManager:
             count = self._keep_counts.get(h, 0)
             self._keep_counts[h] = count + 1
             b = held.get(h)
-            if count == 0 and b is not None and b in self._evictable:
-                del self._evictable[b]
+            if count == 0 and b is not None and h in self._evictable:
+                self._evictable.remove(h)
                 self._kept[b] = None
 
     def unkeep(self, hashes: list[BlockHash]) -> None:
@@ -171,27 +200,41 @@ class BlockManager:
             b = held.get(h)
             if b is not None and b in self._kept:
                 del self._kept[b]
-                self._evictable[b] = None
+                self._evictable.add(h, self.block_parent[b])
 
     def allocate(self) -> int:
-        """A fresh block with one reference, evicting the least recently used cached block."""
+        """A fresh block with one reference, evicting the eviction order's victim (a kept
+        block, oldest first, only when nothing else is cached)."""
         if self._free:
             block = self._free.pop()
         elif self._evictable or self._kept:
-            if not self._evictable:
-                self.kept_evictions += 1
-            block, _ = (self._evictable or self._kept).popitem(last=False)
-            evicted = self.block_hash[block]
-            assert evicted is not None
-            self.block_hash[block] = None
-            self.block_tokens[block] = None
-            self.block_parent[block] = None
-            del self._hash_to_block[evicted]
-            self._on_removed(evicted)
+            block = self._take_victim()
+            self._drop(block)
         else:
             raise NoFreeBlocksError("KV cache is full")
         self.ref_counts[block] = 1
         return block
+
+    def _take_victim(self) -> int:
+        """Out of its pool: the cached, unreferenced block to evict next."""
+        h = self._evictable.victim()
+        if h is None:
+            self.kept_evictions += 1
+            block, _ = self._kept.popitem(last=False)
+            return block
+        self._evictable.remove(h)
+        return self._hash_to_block[h]
+
+    def _drop(self, block: int) -> None:
+        """Forget a cached block's hash (reported as removed); the block holds nothing now."""
+        h = self.block_hash[block]
+        assert h is not None
+        self._evictable.forget(h)
+        self.block_hash[block] = None
+        self.block_tokens[block] = None
+        self.block_parent[block] = None
+        del self._hash_to_block[h]
+        self._on_removed(h)
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference on each block; the tail is released first so it is evicted first."""
@@ -200,7 +243,7 @@ class BlockManager:
             assert self.ref_counts[b] >= 0, f"block {b} released more often than referenced"
             if self.ref_counts[b] == 0:
                 if self.block_hash[b] is not None:
-                    self._cached_pool(b)[b] = None
+                    self._park(b)
                 else:
                     self._free.append(b)
 
@@ -230,6 +273,7 @@ class BlockManager:
         self.block_tokens[block] = token_ids
         self.block_parent[block] = parent
         self._hash_to_block[block_hash] = block
+        self._evictable.cached(block_hash, parent)
         self._on_stored(block_hash)
         return block
 
@@ -250,14 +294,8 @@ class BlockManager:
         """Drop every unreferenced cached block (returns how many)."""
         dropped = 0
         while self._evictable or self._kept:
-            block, _ = (self._evictable or self._kept).popitem(last=False)
-            h = self.block_hash[block]
-            assert h is not None
-            self.block_hash[block] = None
-            self.block_tokens[block] = None
-            self.block_parent[block] = None
-            del self._hash_to_block[h]
-            self._on_removed(h)
+            block = self._take_victim()
+            self._drop(block)
             self._free.append(block)
             dropped += 1
         return dropped
@@ -278,12 +316,14 @@ class BlockManager:
         for b in self._free:
             assert self.ref_counts[b] == 0 and self.block_hash[b] is None
             assert self.block_tokens[b] is None, f"free block {b} still names its tokens"
-        for b in self._evictable:
+        evictable = [self._hash_to_block[h] for h in self._evictable]
+        for b in evictable:
             assert self.ref_counts[b] == 0 and self.block_hash[b] is not None
             assert self.block_hash[b] not in self._keep_counts, f"kept block {b} not in _kept"
         for b in self._kept:
             assert self.ref_counts[b] == 0 and self.block_hash[b] in self._keep_counts
-        assert not set(self._kept) & set(self._evictable), "a cached block is listed twice"
+        assert len(set(evictable)) == len(evictable), "a cached block is listed twice"
+        assert not set(self._kept) & set(evictable), "a cached block is listed twice"
         assert all(n > 0 for n in self._keep_counts.values()), "a hash kept zero times"
         for h, b in self._hash_to_block.items():
             assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"

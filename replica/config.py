@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixmesh.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -42,6 +44,9 @@ class EngineConfig:
     # a long queue the prefix the router sent the request for then outlasts the queue
     # (docs/benchmarks.md, "Waiting requests keep their prefix").
     waiting_prefix_share: float = 1.0
+    # Which cached, unreferenced block an allocation evicts (prefixmesh/eviction.py): "lru",
+    # or "reuse" (never-reused blocks first, ARC-like; docs/bench-sections/eviction.md).
+    eviction: str = DEFAULT_EVICTION
     # Fair shares of each step across tenants (replica/tenant_share.py); with one tenant the
     # schedule is exactly FCFS / priority's. ``tenant_prefill_chunk``: prefill tokens per step
     # the tenants over their share get between them while another is present (0: a quarter
@@ -90,6 +95,8 @@ class EngineConfig:
             raise ValueError(
                 f"waiting_prefix_share must be in [0, 1] (got {self.waiting_prefix_share})"
             )
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES} (got {self.eviction!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES} "

@@ -136,12 +136,10 @@ class LLMEngine:
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []
         self.block_manager = BlockManager(
-            num_blocks,
-            self.block_size,
-            config.enable_prefix_caching,
-            on_stored=self._stored.append,
-            on_removed=self._removed.append,
-        )
+            num_blocks, self.block_size, config.enable_prefix_caching,
+            on_stored=self._stored.append, on_removed=self._removed.append,
+            eviction=config.eviction,
+        )  # fmt: skip
         self.host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         self.scheduler = Scheduler(config, self.block_manager, self.model_id, self.host_pool)
         self.sampler = Sampler(seed=config.seed)

@@ -69,6 +69,7 @@ class PrefixTracker:
         hashes = seq.block_hashes[: self.cacheable(seq)]
         blocks = self.bm.match_prefix(hashes)
         self.bm.touch(blocks)
+        self.bm.note_misses(hashes[len(blocks) :])
         self.release_kept(seq)
         n = len(blocks)
         if ahead:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixmesh import limits, settings, tenants, tls
+from prefixmesh.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if TYPE_CHECKING:
     from replica.config import EngineConfig
@@ -78,6 +79,7 @@ class ServerConfig:
     prefix_caching: bool = True
     wait_for_inflight_prefix: bool = True
     waiting_prefix_share: float = 1.0
+    eviction: str = DEFAULT_EVICTION  # prefixmesh/eviction.py
     batch_invariant: bool = False
     seed: int = 0
     log_level: str = "INFO"
@@ -115,6 +117,7 @@ class ServerConfig:
             "enable_prefix_caching": self.prefix_caching,
             "wait_for_inflight_prefix": self.wait_for_inflight_prefix,
             "waiting_prefix_share": self.waiting_prefix_share,
+            "eviction": self.eviction,
             "scheduling_policy": self.scheduling_policy,
             "tenant_fairness": self.tenant_fairness,
             "tenant_prefill_chunk": self.tenant_prefill_chunk,
@@ -195,6 +198,9 @@ _HELP: dict[str, str] = {
     "that a request queued before it will compute: those blocks are evicted only after every "
     "block no waiting request needs, up to this share of the KV pool (0 = off: the prefix is "
     "only marked used when the request arrives)",
+    "eviction": "which cached block an allocation evicts: lru (least recently used) or reuse "
+    "(blocks no request has found since they were cached go first, in an ARC-style adaptive "
+    "share; leaves before parents); docs/bench-sections/eviction.md",
     "batch_invariant": "run every matmul in tiles of at most 32 rows so a token's result does not "
     "depend on what it is batched with: a prefix-cache hit (local or fetched from a peer) then "
     "gives the cold run's greedy output exactly in bfloat16 too; costs prefill speed on AMX "
@@ -243,6 +249,10 @@ def _check(config: ServerConfig) -> None:
     if not 0 <= config.waiting_prefix_share <= 1:
         problems.append(
             f"--waiting-prefix-share must be in [0, 1] (got {config.waiting_prefix_share})"
+        )
+    if config.eviction not in EVICTION_POLICIES:
+        problems.append(
+            f"--eviction must be one of {', '.join(EVICTION_POLICIES)} (got {config.eviction!r})"
         )
     if config.block_size < 1:
         problems.append(f"--block-size must be >= 1 (got {config.block_size})")
