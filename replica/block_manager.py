@@ -99,6 +99,13 @@ class BlockManager:
     def cached_hashes(self) -> set[BlockHash]:
         return set(self._hash_to_block)
 
+    def cached_block(
+        self, block_hash: BlockHash
+    ) -> tuple[tuple[int, ...] | None, BlockHash | None] | None:
+        """(token ids, parent hash) of a cached block, None when the hash is not cached."""
+        b = self._hash_to_block.get(block_hash)
+        return None if b is None else (self.block_tokens[b], self.block_parent[b])
+
     def match_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
         """Block ids of the longest run of leading ``hashes`` held in the cache."""
         if not self.enable_prefix_caching:

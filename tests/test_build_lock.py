@@ -25,7 +25,7 @@ from test_up import CLI, ROOT, _descendants, _wait_listed
 
 from kernels import cpu_ops
 from kernels.build_lock import BuildLock
-from prefixmesh.cli.procs import wait_serving
+from prefixmesh.procs import wait_serving
 from proto import prefixmesh_pb2 as pb
 from proto import prefixmesh_pb2_grpc as pb_grpc
 

@@ -166,7 +166,7 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         load = info.load
         # The replica's own count is exact; the router's is what Redis holds (may lag).
         blocks = stats.cached_blocks if stats is not None else info.cached_blocks
-        # Prompt tokens whose KV the replica fetched from a peer (replica/server/peer_fetch.py).
+        # Prompt tokens whose KV the replica fetched from a peer (replica/fetch/client.py).
         fetched = str(stats.fetched_tokens) if stats is not None else "-"
         table.add_row(
             info.replica_id, info.address, _pct(info.hit_rate), _hit_bar(info.hit_rate),

@@ -83,6 +83,7 @@ class ServerConfig:
     batch_invariant: bool = False
     seed: int = 0
     log_level: str = "INFO"
+    kv_events: str = ""  # replica/server/zmq_events.py: vLLM-format events over ZMQ
 
     def resolved_advertise_address(self, bound_port: int) -> str:
         """The host:port routers should dial (``--advertise-host auto`` = this machine's name)."""
@@ -207,6 +208,9 @@ _HELP: dict[str, str] = {
     "CPUs (docs/fetch.md)",
     "seed": "engine seed for requests that set none",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "kv_events": "also publish KV cache events in vLLM's format (msgpack over ZMQ PUB, replay "
+    "on the next port) for Dynamo / llm-d style schedulers, e.g. zmq://*:5557 (empty = off; the "
+    "Redis path is unchanged)",
     **limits.HELP,
     **tenants.HELP,
     **tls.HELP,

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -47,6 +48,7 @@ from replica.server.kernel_report import kernel_build
 from replica.server.kv_publisher import KVEventBuffer, KVPublisher
 from replica.server.metrics import ReplicaMetrics
 from replica.server.servicers import GeneratorService, ReplicaService, ServedModel
+from replica.server.zmq_events import ZmqEventPublisher, engine_callback
 
 if TYPE_CHECKING:
     from prefixmesh.openai.http import OpenAIHttpServer
@@ -76,6 +78,7 @@ class ReplicaServer:
         self._force = asyncio.Event()  # a second signal: skip the rest of the grace period
         self.loop: EngineLoop | None = None
         self.publisher: KVPublisher | None = None
+        self.zmq_events: ZmqEventPublisher | None = None  # --kv-events
         self.metrics: ReplicaMetrics | None = None
         self.metrics_port = 0
         self.http: OpenAIHttpServer | None = None  # when --http-port is set
@@ -87,11 +90,27 @@ class ReplicaServer:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    def _kv_callback(self, buffer: KVEventBuffer) -> Callable[[list[bytes], list[bytes]], None]:
+        """Redis' buffer, plus the vLLM-format ZMQ publisher where ``--kv-events`` is set."""
+        if not self.config.kv_events:
+            return buffer.append
+        self.zmq_events = ZmqEventPublisher(self.config.kv_events)
+        bm = self.engine.block_manager
+        to_zmq = engine_callback(self.zmq_events, bm.cached_block, bm.block_size)
+        log.info("publishing vLLM-format KV events on %s (replay %s)",
+                 self.zmq_events.endpoint, self.zmq_events.replay)  # fmt: skip
+
+        def both(stored: list[bytes], removed: list[bytes]) -> None:
+            buffer.append(stored, removed)
+            to_zmq(stored, removed)
+
+        return both
+
     async def start(self) -> None:
         cfg = self.config
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
         buffer = KVEventBuffer()
-        self.engine.set_kv_event_callback(buffer.append)
+        self.engine.set_kv_event_callback(self._kv_callback(buffer))
 
         # -- API key (prefixmesh/auth.py): every gRPC call but health and reflection --
         interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
@@ -272,6 +291,8 @@ class ReplicaServer:
             await self.fetcher.close()
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
+        if self.zmq_events is not None:
+            self.zmq_events.close()
         if self.metrics is not None:
             self.metrics.close()
         self._stopped.set()

@@ -1,0 +1,1 @@
+"""Engine upstreams that speak vLLM's KV event protocol: re-keying, ordering, subscribing."""
