@@ -26,6 +26,7 @@ from itertools import islice
 from prefixmesh.hashing import extend_block_hashes
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
+from replica.preemption_stats import PreemptionStats
 from replica.sequence import Sequence, SequenceStatus
 from replica.tenant_share import StepShares, TenantShares
 
@@ -82,6 +83,7 @@ class Scheduler:
         # this replica will compute or has computed for a queued request (_keep_prefix).
         self.queued_hashes: Counter = Counter()
         self.stats = SchedulerStats()
+        self.preempt_stats = PreemptionStats()  # issue 53: preemption and queue-time counters
         self.shares: TenantShares | None = None
         if config.tenant_fairness:
             budget = config.max_num_batched_tokens
@@ -139,6 +141,7 @@ class Scheduler:
 
     def _requeue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.preempt_stats.queued(seq.seq_id)  # issue 53: queue time starts
         bisect.insort(self.waiting, seq, key=self._key)
 
     def add_running(self, seq: Sequence) -> None:
@@ -156,6 +159,7 @@ class Scheduler:
             if self.shares is not None:
                 self.shares.leave(seq.request.tenant)
         seq.status = SequenceStatus.FINISHED
+        self.preempt_stats.finished(seq.seq_id)  # issue 53: forget its queue/recompute state
         self._release_kept(seq)
         queued = self.queued_hashes
         for h in seq.block_hashes[: seq.num_queued_hashes]:
@@ -338,6 +342,7 @@ class Scheduler:
                 budget += freed
                 continue
             self.waiting.remove(seq)
+            self.preempt_stats.admitted(seq.seq_id, seq.num_computed_tokens)  # issue 53
             self._release_kept(seq)  # its prefix is referenced now
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -474,6 +479,7 @@ class Scheduler:
             return None
         seq.block_table = [self.bm.allocate() for _ in seq.host_blocks]
         out.swap_in.extend(zip(seq.host_blocks, seq.block_table))
+        self.preempt_stats.swapping_in(len(seq.host_blocks))  # issue 53: swap traffic
         out.host_blocks_to_free.extend(seq.host_blocks)  # freed after the copy has run
         seq.host_blocks = []
         seq.block_table.extend(self.bm.allocate() for _ in range(extra))
@@ -515,6 +521,7 @@ class Scheduler:
             and not fresh_copies.intersection(seq.block_table)
         ):
             seq.host_blocks = pool.allocate(len(seq.block_table))
+            self.preempt_stats.swapping_out(len(seq.block_table))  # issue 53: swap traffic
             out.swap_out.extend(zip(seq.block_table, seq.host_blocks))
             self.bm.release(seq.block_table)
             seq.block_table = []
@@ -522,6 +529,7 @@ class Scheduler:
             self.stats.swapped_out += 1
         else:
             self._free(seq)
+            self.preempt_stats.recomputing(seq.seq_id, seq.num_computed_tokens)  # issue 53
             seq.num_computed_tokens = 0
             self._keep_prefix(seq)  # its full blocks stay cached: keep them for its return
         self.stats.preemptions += 1

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "top": ("prefixmesh.cli.top", "live view of every replica's hit rate and load"),
     "loadtest": ("loadtest.cli", "replay traces or synthetic workloads against the cluster"),
     "bench": ("replica.bench", "offline throughput benchmark of the replica engine"),
+    "tune": ("loadtest.tune", "search engine knobs on a workload against an SLO and a budget"),
 }
 
 
