@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -191,8 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # a SIGTERM stops the cluster too (RealRunner's finally)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     slo = Slo(args.slo_ttft_p90, args.slo_ttft_p99, args.slo_itl_p90, args.slo_itl_p99)
     per_request = args.slo or ",".join(
         f"{k}={v}ms" for k, v in (("ttft", slo.ttft_p99), ("tpot", slo.itl_p99)) if v
@@ -204,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     search = Search(RealRunner(args, args.out), slo, args.budget, args.out / "results.jsonl",
                     knobs=knobs + (("policy",) if args.replicas > 1 else ()),
                     progress=lambda msg: print(msg, flush=True))  # fmt: skip
-    best = search.run()
+    try:
+        best = search.run()
+    except KeyboardInterrupt:  # what was measured is in results.jsonl: a rerun resumes from it
+        print(f"interrupted: {len(search.measured)} points kept in {search.results}")
+        best = search.best()
     text = table(search, best)
     (args.out / "tune.md").write_text(text + "\n")
     pareto_plot(search, best, args.out / "pareto.png")
