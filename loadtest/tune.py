@@ -79,8 +79,12 @@ class RealRunner:
         cluster = LocalCluster(a, logs_under(run))
         try:
             cluster.start()
-            argv = loadtest_argv(a, cluster.router_grpc, cluster.router_grpc, run,
-                                 extra=tuple(shlex.split(self.args.loadtest_args)))  # fmt: skip
+            extra = tuple(shlex.split(self.args.loadtest_args))
+            # A synthetic workload (--workload random / shared-prefix) has no text to send.
+            fmt = "token-ids" if "--workload" in extra else "text"
+            argv = loadtest_argv(
+                a, cluster.router_grpc, cluster.router_grpc, run, prompt_format=fmt, extra=extra
+            )
             done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s)
             if done.returncode:
                 raise RuntimeError(done.stderr[-400:])

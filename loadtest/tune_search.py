@@ -153,7 +153,8 @@ class Search:
         self.measured[point.key()] = m
         with self.results.open("a") as f:
             f.write(m.to_json() + "\n")
-        self.progress(f"    -> goodput {m.goodput_rps:.3f} req/s, SLO met: {self.slo.met(m)}")
+        verdict = f"error: {m.error}" if m.error else f"SLO met: {self.slo.met(m)}"
+        self.progress(f"    -> goodput {m.goodput_rps:.3f} req/s, {verdict}")
         return m
 
     def run(self) -> Measurement | None:
