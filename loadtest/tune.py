@@ -32,7 +32,7 @@ from loadtest.local_cluster import (
     loadtest_argv,
     logs_under,
 )
-from loadtest.tune_search import Measurement, Point, Search, Slo
+from loadtest.tune_search import Measurement, PercentileSlo, Point, Search
 
 FLAGS = {"max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
          "kv_cache_gb": "--kv-cache-gb"}  # fmt: skip
@@ -203,7 +203,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
-    slo = Slo(args.slo_ttft_p90, args.slo_ttft_p99, args.slo_itl_p90, args.slo_itl_p99)
+    slo = PercentileSlo(args.slo_ttft_p90, args.slo_ttft_p99, args.slo_itl_p90, args.slo_itl_p99)
     per_request = args.slo or ",".join(
         f"{k}={v}ms" for k, v in (("ttft", slo.ttft_p99), ("tpot", slo.itl_p99)) if v
     )

@@ -43,7 +43,7 @@ POLICIES = ("cache_aware", "load", "round_robin")
 
 
 @dataclass(frozen=True, slots=True)
-class Slo:
+class PercentileSlo:
     """Percentile targets in milliseconds (None: no target)."""
 
     ttft_p90: float | None = None
@@ -112,7 +112,7 @@ class Search:
     """Coordinate search under a budget of ``budget_s`` seconds, resumable from ``results``."""
 
     runner: Runner
-    slo: Slo
+    slo: PercentileSlo
     budget_s: float
     results: Path
     knobs: tuple[str, ...] = ("max_num_batched_tokens", "max_num_seqs", "kv_cache_gb")

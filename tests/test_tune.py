@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from loadtest.tune import command_line, replica_flags
-from loadtest.tune_search import Measurement, Point, Search, Slo
+from loadtest.tune_search import Measurement, PercentileSlo, Point, Search
 
-SLO = Slo(ttft_p99=1000.0)
+SLO = PercentileSlo(ttft_p99=1000.0)
 
 
 class FakeRunner:
