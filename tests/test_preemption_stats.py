@@ -97,3 +97,24 @@ def test_counters_reach_replica_stats_and_prometheus(tiny_model_dir):
     assert _sample(text, "prefixmesh_queue_time_seconds_total") == s.preempt.queue_time_s
     msg = pb.ReplicaStats(**asdict(s.preempt))  # what Replica.GetStats sends
     assert (msg.swap_preemptions, msg.swapped_in_blocks, msg.admissions) == (1, 2, 3)
+
+
+def test_load_tester_summary_counts_the_runs_preemptions():
+    from loadtest.cluster import PREEMPTION_FIELDS, ClusterSnapshot, ReplicaCounters, cluster_delta
+    from loadtest.report import preemption_line
+
+    def snap(recompute: int, recomputed: int, queue_s: float, admissions: int) -> ClusterSnapshot:
+        pre = dict.fromkeys(PREEMPTION_FIELDS, 0) | {
+            "recompute_preemptions": recompute, "recomputed_tokens": recomputed,
+            "queue_time_s": queue_s, "admissions": admissions,
+        }  # fmt: skip
+        s = ClusterSnapshot("cache_aware", routing={"requests": admissions})
+        s.replicas["r0"] = ReplicaCounters("r0", requests=admissions, preemption=pre)
+        return s
+
+    delta = cluster_delta(snap(2, 100, 1.0, 10), snap(5, 400, 4.0, 16))
+    assert delta["replicas"]["r0"]["preemption"]["recompute_preemptions"] == 3
+    p = delta["preemption"]
+    assert (p["recompute_preemptions"], p["recomputed_tokens"], p["admissions"]) == (3, 300, 6)
+    assert preemption_line(p).startswith("3 recompute, 0 swap; 300 tokens recomputed")
+    assert "queue 500.0 ms mean" in preemption_line(p)
