@@ -23,6 +23,12 @@ class ReplicaCounters:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     num_blocks: int = 0  # the replica's KV block pool (its lease)
+    # Replica.GetStats' preemption and queue counters (PREEMPTION_FIELDS), when it answered.
+    preemption: dict[str, float] = field(default_factory=dict)
+
+
+PREEMPTION_FIELDS = ("recompute_preemptions", "swap_preemptions", "recomputed_tokens",
+                     "swapped_out_blocks", "swapped_in_blocks", "queue_time_s", "admissions")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -87,6 +93,7 @@ def cluster_delta(before: ClusterSnapshot, after: ClusterSnapshot) -> dict[str, 
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "hit_rate": _rate(cached, prompt),
+            "preemption": {k: v - b.preemption.get(k, 0) for k, v in a.preemption.items()},
         }
 
     reset = after.routing.get("requests", 0) < before.routing.get("requests", 0)
@@ -107,6 +114,9 @@ def cluster_delta(before: ClusterSnapshot, after: ClusterSnapshot) -> dict[str, 
         "misses": misses,
         "routing": routing,
         "hit_rate": _rate(routing.get("actual_cached_tokens", 0), routing.get("prompt_tokens", 0)),
+        "preemption": {  # summed over the replicas that answered GetStats
+            k: sum(r["preemption"].get(k, 0) for r in replicas.values()) for k in PREEMPTION_FIELDS
+        },
     }
 
 
@@ -115,6 +125,7 @@ class ClusterClient:
 
     def __init__(self, target: str, api_key: str = "", tls_files: Any = None) -> None:
         self._channel = aio_channel(target, tls_files, options=channel_options(-1))
+        self._tls = tls_files  # the replicas' channels too (GetStats)
         self._stub = pb_grpc.ClusterStub(self._channel)
         # A router started with --api-key wants it as gRPC metadata (prefixmesh.auth).
         self._md = (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -127,7 +138,21 @@ class ClusterClient:
             if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
                 return None
             raise
-        return ClusterSnapshot.from_proto(state)
+        snap = ClusterSnapshot.from_proto(state)
+        for r in snap.replicas.values():
+            r.preemption = await self._preemption(r.address, timeout)
+        return snap
+
+    async def _preemption(self, address: str, timeout: float) -> dict[str, float]:
+        """A replica's preemption counters (empty when it cannot be asked)."""
+        try:
+            async with aio_channel(address, self._tls, options=channel_options(-1)) as ch:
+                s = await pb_grpc.ReplicaStub(ch).GetStats(
+                    pb.Empty(), timeout=timeout, metadata=self._md
+                )
+        except grpc.aio.AioRpcError:
+            return {}
+        return {k: getattr(s, k) for k in PREEMPTION_FIELDS}
 
     async def replica_block_size(self, timeout: float = 10.0) -> int | None:
         """The block size of a replica target (``Replica.GetModelInfo``), None if not one."""

@@ -95,6 +95,8 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             "goodput", f"{g['requests_per_s']:.2f} req/s ({pct(g['fraction'])} meet {g['slo']})"
         )
     head.add_row("prefix hit rate", pct(cluster_hit_rate(summary)))
+    if pre := (summary.get("cluster") or {}).get("preemption"):  # issue 53: the replicas' own
+        head.add_row("preemptions", preemption_line(pre))
     for label, value in ceiling_rows(summary):
         head.add_row(label, value)
     lag = summary["send_lag_ms"]
@@ -127,6 +129,15 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         console.print(f"routing decisions ({cluster['policy']}): {decisions}")
     if cluster and cluster.get("misses", {}).get("cacheable"):
         console.print(f"prompt blocks (router's attribution): {misses_line(cluster['misses'])}")
+
+
+def preemption_line(p: dict[str, float]) -> str:
+    """Recompute / swap preemptions, recomputed tokens, swap traffic and mean queue time."""
+    queue = p["queue_time_s"] / p["admissions"] if p.get("admissions") else None
+    return (f"{p['recompute_preemptions']:.0f} recompute, {p['swap_preemptions']:.0f} swap; "
+            f"{p['recomputed_tokens']:,.0f} tokens recomputed; {p['swapped_out_blocks']:.0f} blocks "
+            f"out / {p['swapped_in_blocks']:.0f} in; queue {_ms(None if queue is None else 1e3 * queue)} ms "
+            "mean")  # fmt: skip
 
 
 def misses_line(misses: dict[str, int]) -> str:

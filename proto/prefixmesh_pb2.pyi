@@ -205,7 +205,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("load", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens", "generation_tokens", "finished_by_reason", "model", "block_size", "hash_scheme", "epoch", "cached_blocks", "fetched_tokens", "blocks_served")
+    __slots__ = ("load", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens", "generation_tokens", "finished_by_reason", "model", "block_size", "hash_scheme", "epoch", "cached_blocks", "fetched_tokens", "blocks_served", "recompute_preemptions", "swap_preemptions", "recomputed_tokens", "swapped_out_blocks", "swapped_in_blocks", "queue_time_s", "admissions")
     class FinishedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,13 @@ class ReplicaStats(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     load: ReplicaLoad
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -241,7 +248,14 @@ class ReplicaStats(_message.Message):
     cached_blocks: int
     fetched_tokens: int
     blocks_served: int
-    def __init__(self, load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., epoch: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., blocks_served: _Optional[int] = ...) -> None: ...
+    recompute_preemptions: int
+    swap_preemptions: int
+    recomputed_tokens: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    queue_time_s: float
+    admissions: int
+    def __init__(self, load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., epoch: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., blocks_served: _Optional[int] = ..., recompute_preemptions: _Optional[int] = ..., swap_preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., admissions: _Optional[int] = ...) -> None: ...
 
 class CacheState(_message.Message):
     __slots__ = ("replica_id", "block_hashes", "integrity_ok", "integrity_error", "num_blocks", "free_blocks", "used_blocks", "inflight_requests")

@@ -29,6 +29,7 @@ from replica.loader import load_model_config, load_state_dict, resolve_model
 from replica.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
 from replica.output_processor import OutputProcessor
 from replica.outputs import StepOutput
+from replica.preemption_stats import PreemptionCounts
 from replica.sampler import Sampler
 from replica.scheduler import Scheduler
 from replica.sequence import Request, Sequence
@@ -56,6 +57,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    preempt: PreemptionCounts = field(default_factory=PreemptionCounts)  # and queue time
 
 
 def default_dtype(device: str) -> str:
@@ -464,6 +466,8 @@ class LLMEngine:
             for h in s.block_hashes[: s.num_queued_hashes]
         )  # fmt: skip
         assert queued == self.scheduler.prefix.queued_hashes, "queued hashes leaked or lost"
+        live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        assert self.scheduler.preempt_stats.tracked <= live, "preemption state leaked"
         if self.host_pool is not None:
             self.host_pool.check_integrity(s.host_blocks for s in self.scheduler.waiting)
 
@@ -487,4 +491,5 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             finished_by_reason=dict(self._finished_by_reason),
+            preempt=sched.preempt_stats.counts(),
         )

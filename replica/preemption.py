@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
+from replica.preemption_stats import PreemptionStats
 from replica.prefix_tracker import PrefixTracker
 from replica.scheduler_output import ScheduledSeq, SchedulerOutput, SchedulerStats
 from replica.sequence import Sequence
@@ -29,6 +30,7 @@ class Preemption:
         waiting: WaitingQueue,
         prefix: PrefixTracker,
         stats: SchedulerStats,
+        counters: PreemptionStats,
     ) -> None:
         self.config = config
         self.bm = block_manager
@@ -38,6 +40,7 @@ class Preemption:
         self.waiting = waiting
         self.prefix = prefix
         self.stats = stats
+        self.counters = counters  # by kind, recomputed tokens, swap traffic, queue time
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap the sequence's KV out to the host pool if there is one with room; otherwise
@@ -53,6 +56,7 @@ class Preemption:
             and not fresh_copies.intersection(seq.block_table)
         ):
             seq.host_blocks = pool.allocate(len(seq.block_table))
+            self.counters.swapping_out(len(seq.block_table))
             out.swap_out.extend(zip(seq.block_table, seq.host_blocks))
             self.bm.release(seq.block_table)
             seq.block_table = []
@@ -60,11 +64,13 @@ class Preemption:
             self.stats.swapped_out += 1
         else:
             self.free(seq)
+            self.counters.recomputing(seq.seq_id, seq.num_computed_tokens)
             seq.num_computed_tokens = 0
             self.prefix.keep_prefix(seq)  # its full blocks stay cached: keep them for its return
         self.stats.preemptions += 1
         out.preempted.append(seq)
         self.waiting.push(seq)
+        self.counters.queued(seq.seq_id)
 
     def preempt_for(
         self, seq: Sequence, planned: dict[int, ScheduledSeq], out: SchedulerOutput
@@ -99,6 +105,7 @@ class Preemption:
             return None
         seq.block_table = [self.bm.allocate() for _ in seq.host_blocks]
         out.swap_in.extend(zip(seq.host_blocks, seq.block_table))
+        self.counters.swapping_in(len(seq.host_blocks))
         out.host_blocks_to_free.extend(seq.host_blocks)  # freed after the copy has run
         seq.host_blocks = []
         seq.block_table.extend(self.bm.allocate() for _ in range(extra))

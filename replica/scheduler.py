@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
+from replica.preemption_stats import PreemptionStats
 from replica.preemption import Preemption
 from replica.prefix_tracker import PrefixTracker
 from replica.scheduler_output import ScheduledSeq, SchedulerOutput, SchedulerStats
@@ -53,8 +54,16 @@ class Scheduler:
         # Prefix-cache bookkeeping (replica/prefix_tracker.py) and preemption with swap
         # (replica/preemption.py), over the same queues and counters.
         self.prefix = PrefixTracker(config, block_manager, model_id)
+        self.preempt_stats = PreemptionStats()  # preemptions, recomputed tokens, queue time
         self.preemption = Preemption(
-            config, block_manager, host_pool, self.running, self.waiting, self.prefix, self.stats
+            config,
+            block_manager,
+            host_pool,
+            self.running,
+            self.waiting,
+            self.prefix,
+            self.stats,
+            self.preempt_stats,
         )
         self.shares: TenantShares | None = None
         if config.tenant_fairness:
@@ -68,6 +77,7 @@ class Scheduler:
             self.shares.enter(seq.request.tenant)
         self.prefix.enqueue(seq)
         self.waiting.push(seq)
+        self.preempt_stats.queued(seq.seq_id)  # its queue time starts
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one (parallel sampling)."""
@@ -84,6 +94,7 @@ class Scheduler:
             if self.shares is not None:
                 self.shares.leave(seq.request.tenant)
         seq.status = SequenceStatus.FINISHED
+        self.preempt_stats.finished(seq.seq_id)  # forget its queue/recompute state
         self.prefix.forget(seq)
         self.preemption.free(seq)
 
@@ -230,6 +241,7 @@ class Scheduler:
                 budget += freed
                 continue
             self.waiting.remove(seq)
+            self.preempt_stats.admitted(seq.seq_id, seq.num_computed_tokens)
             self.prefix.release_kept(seq)  # its prefix is referenced now
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -263,6 +263,7 @@ def test_compose_services_serve_a_request_as_local_processes(
 
 def _exported_series() -> set[str]:
     """Every series name the replica and router /metrics endpoints can expose."""
+    from replica.preemption_stats import PreemptionCounts
     from replica.server.metrics import ReplicaMetrics
     from router.metrics import RouterMetrics
 
@@ -270,7 +271,7 @@ def _exported_series() -> set[str]:
         running=0, waiting=0, kv_usage=0.0, num_blocks=1, free_blocks=1, cached_blocks=0,
         queued_tokens=0, prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0,
         prompt_tokens=0, generation_tokens=0, finished_by_reason={"stop": 1}, kept_hashes=0,
-        kept_evictions=0,
+        kept_evictions=0, preempt=PreemptionCounts(),
     )  # fmt: skip
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     names = set()

@@ -77,6 +77,12 @@ def _bench(argv: list[str]) -> int | None:
     return main(argv)
 
 
+def _tune(argv: list[str]) -> int | None:
+    from loadtest.tune import main
+
+    return main(argv)
+
+
 COMMANDS: dict[str, Command] = {
     "up": Command(_up, "run Redis, N replicas and the router on this machine"),
     "replica": Command(_replica, "serve one model replica over gRPC"),
@@ -85,6 +91,7 @@ COMMANDS: dict[str, Command] = {
     "top": Command(_top, "live view of every replica's hit rate and load"),
     "loadtest": Command(_loadtest, "replay traces or synthetic workloads against the cluster"),
     "bench": Command(_bench, "offline throughput benchmark of the replica engine"),
+    "tune": Command(_tune, "search engine knobs on a workload against an SLO and a budget"),
 }
 
 

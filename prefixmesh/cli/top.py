@@ -155,7 +155,8 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         ("replica", "left"), ("address", "left"), ("hit rate", "right"), ("", "left"),
         ("engine hit", "right"), ("requests", "right"), ("running", "right"),
         ("waiting", "right"), ("KV use", "right"), ("cached blocks", "right"),
-        ("fetched tok", "right"), ("gen tok/s", "right"),
+        ("fetched tok", "right"), ("gen tok/s", "right"), ("preempt r/s", "right"),
+        ("recomputed tok", "right"),
     ):  # fmt: skip
         table.add_column(col, justify=justify, no_wrap=True)
     for info in sorted(s.replicas, key=lambda i: i.replica_id):
@@ -168,13 +169,17 @@ def render(cur: Snapshot, prev: Snapshot | None = None) -> Group:
         blocks = stats.cached_blocks if stats is not None else info.cached_blocks
         # Prompt tokens whose KV the replica fetched from a peer (replica/fetch/client.py).
         fetched = str(stats.fetched_tokens) if stats is not None else "-"
+        # Preemptions by recompute / by swap, and the tokens recompute cost (issue 53).
+        preempt = f"{stats.recompute_preemptions}/{stats.swap_preemptions}" if stats else "-"
+        recomputed = str(stats.recomputed_tokens) if stats is not None else "-"
         table.add_row(
             info.replica_id, info.address, _pct(info.hit_rate), _hit_bar(info.hit_rate),
             engine_hit, str(info.requests), str(load.running), str(load.waiting),
             _pct(load.kv_usage), str(blocks), fetched, _rate(cur, prev, info.replica_id),
+            preempt, recomputed,
         )  # fmt: skip
     if not s.replicas:
-        table.add_row("(no live replicas)", *[""] * 11)
+        table.add_row("(no live replicas)", *[""] * 13)
     decisions = "  ".join(f"{k} {v}" for k, v in sorted(r.decisions.items())) or "none yet"
     routing = Text(
         f"routing: {decisions}   retries {r.retries}  failovers {r.failovers}  "

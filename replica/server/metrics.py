@@ -76,6 +76,7 @@ class _EngineStatsCollector(Collector):
             "prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits
         )
         yield self._counter("preemptions", "Requests preempted to free KV blocks", s.preemptions)
+        yield from self._preemption(s)
         yield self._counter("prompt_tokens", "Prompt tokens processed", s.prompt_tokens)
         yield self._counter("generation_tokens", "Tokens generated", s.generation_tokens)
         finished = CounterMetricFamily(
@@ -86,6 +87,26 @@ class _EngineStatsCollector(Collector):
         for reason, count in sorted(dict(s.finished_by_reason).items()):
             finished.add_metric([*self._labels.values(), reason], count)
         yield finished
+
+    def _preemption(self, s: EngineStats) -> Iterator[Any]:
+        p = s.preempt
+        kinds = CounterMetricFamily(
+            f"{PREFIX}_preemptions_by_kind", "Preemptions by kind (recompute or swap)",
+            labels=[*self._labels, "kind"],
+        )  # fmt: skip
+        kinds.add_metric([*self._labels.values(), "recompute"], p.recompute_preemptions)
+        kinds.add_metric([*self._labels.values(), "swap"], p.swap_preemptions)
+        yield kinds
+        yield self._counter(
+            "recomputed_tokens", "Tokens computed again after recompute preemptions",
+            p.recomputed_tokens,
+        )  # fmt: skip
+        yield self._counter("swapped_out_blocks", "KV blocks swapped out", p.swapped_out_blocks)
+        yield self._counter("swapped_in_blocks", "KV blocks swapped back in", p.swapped_in_blocks)
+        yield self._counter(
+            "queue_time_seconds", "Time sequences waited to be admitted, summed", p.queue_time_s
+        )
+        yield self._counter("admissions", "Admissions summed in queue_time_seconds", p.admissions)
 
 
 class ReplicaMetrics:

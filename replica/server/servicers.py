@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -235,6 +235,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             cached_blocks=s.cached_blocks,
             fetched_tokens=self.fetcher.fetched_tokens if self.fetcher else 0,
             blocks_served=self.blocks.blocks_served if self.blocks else 0,
+            **asdict(s.preempt),
         )
 
     async def GetModelInfo(self, request: pb.Empty, context: Ctx) -> pb.ModelInfo:  # noqa: N802
