@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from replica.block_manager import BlockManager, HostBlockPool
 from replica.config import EngineConfig
-from replica.preemption_stats import PreemptionStats
 from replica.preemption import Preemption
+from replica.preemption_stats import PreemptionStats
 from replica.prefix_tracker import PrefixTracker
 from replica.scheduler_output import ScheduledSeq, SchedulerOutput, SchedulerStats
 from replica.sequence import Sequence, SequenceStatus
