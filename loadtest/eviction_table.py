@@ -1,5 +1,5 @@
 """``python -m loadtest.eviction_table``: each eviction policy's one-cache hit rate against
-Belady's, on windows of a trace (the issue-52 table, docs/bench-sections/eviction.md).
+Belady's, on windows of a trace (the issue-52 table, docs/notes/2026-12-08-eviction.md).
 
 For each window (``--first`` request indices, ``--limit`` requests each) it runs the capacity
 ceiling of ``loadtest/ceilings.py`` (one cache of ``--capacity`` blocks, the whole cluster's

@@ -45,7 +45,7 @@ class EngineConfig:
     # (docs/benchmarks.md, "Waiting requests keep their prefix").
     waiting_prefix_share: float = 1.0
     # Which cached, unreferenced block an allocation evicts (prefixmesh/eviction.py): "lru",
-    # or "reuse" (never-reused blocks first, ARC-like; docs/bench-sections/eviction.md).
+    # or "reuse" (never-reused blocks first, ARC-like; docs/notes/2026-12-08-eviction.md).
     eviction: str = DEFAULT_EVICTION
     # Fair shares of each step across tenants (replica/tenant_share.py); with one tenant the
     # schedule is exactly FCFS / priority's. ``tenant_prefill_chunk``: prefill tokens per step

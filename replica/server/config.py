@@ -201,7 +201,7 @@ _HELP: dict[str, str] = {
     "only marked used when the request arrives)",
     "eviction": "which cached block an allocation evicts: lru (least recently used) or reuse "
     "(blocks no request has found since they were cached go first, in an ARC-style adaptive "
-    "share; leaves before parents); docs/bench-sections/eviction.md",
+    "share; leaves before parents); docs/notes/2026-12-08-eviction.md",
     "batch_invariant": "run every matmul in tiles of at most 32 rows so a token's result does not "
     "depend on what it is batched with: a prefix-cache hit (local or fetched from a peer) then "
     "gives the cold run's greedy output exactly in bfloat16 too; costs prefill speed on AMX "
