@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         args.router, replica_stats=args.replica_stats, api_key=api_key,
         tls_files=tls.client_files(args),
     )  # fmt: skip
-    # A pipe gets a wide fixed console, so one frame is one table, not a wrapped one.
-    console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
+    # A pipe gets a wide fixed console (14 columns), so one frame is one table, none elided.
+    console = Console() if sys.stdout.isatty() else Console(width=200, color_system=None)
     try:
         if args.once:
             console.print(render(poller.poll()))
