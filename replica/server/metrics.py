@@ -139,7 +139,7 @@ class ReplicaMetrics:
             "Arrival to the last token of the request",
             _LATENCY_BUCKETS,
         )
-        # KV transfers between replicas (replica/fetch/client.py, block_service.py).
+        # KV transfers between replicas (replica/fetch/client.py, replica/fetch/holder.py).
         self.fetched_tokens = Counter(
             f"{PREFIX}_fetched_tokens", "Prompt tokens whose KV was fetched from a peer replica",
             names, registry=self.registry,
